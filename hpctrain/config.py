@@ -1,0 +1,290 @@
+"""Typed run configuration: one dataclass per TOML section, validated on load.
+
+    cfg = load_config("slurm/examples/tiny-cpu.toml", ["parallel.tp=2", "job.nodes=2"])
+
+Every value is checked when the config is built, so a typo or an impossible value fails on the login node,
+before anything is submitted. `dump_toml(cfg)` writes the resolved config that goes into each run directory.
+This module imports neither torch nor mpi4py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _one_of(section: str, key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(section: str, obj: object, *keys: str, allow_zero: bool = False) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        low = 0 if allow_zero else 1
+        _check(value >= low, f"{section}.{key} = {value!r} must be >= {low}")
+
+
+@dataclass
+class JobConfig:
+    """[job]: what Slurm is asked for, and where runs go."""
+    name: str = "hpctrain"
+    run_root: str = "runs"  # each run gets a fresh directory below this
+    executor: str = "auto"  # auto (Slurm when reachable, else local) | slurm | local
+    nodes: int = 1
+    tasks_per_node: int = 1  # ranks per node: one per GPU
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: float = 0.0  # per node; 0 leaves the site default
+    time_min: int = 60
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    exclusive: bool = False
+    signal_delay_s: int = 120  # USR2 arrives this long before the time limit
+    sbatch_extra: list[str] = field(default_factory=list)  # e.g. ["--mail-type=END", "--reservation=x"]
+    setup: list[str] = field(default_factory=list)  # shell lines before srun, e.g. "module load cuda"
+    srun_args: list[str] = field(default_factory=lambda: ["--mpi=pmi2"])
+    wait_timeout_s: int = 120  # how long --wait waits for results after the job left the queue
+
+    def __post_init__(self) -> None:
+        _check(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) is not None,
+               f"job.name = {self.name!r} may only hold letters, digits, '_', '.', '-'")
+        _one_of("job", "executor", self.executor, ("auto", "slurm", "local"))
+        _positive("job", self, "nodes", "tasks_per_node", "cpus_per_task", "time_min")
+        _positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", allow_zero=True)
+        _check(self.gpus_per_node in (0, self.tasks_per_node),
+               f"job.gpus_per_node = {self.gpus_per_node} must be 0 (CPU) or equal job.tasks_per_node = "
+               f"{self.tasks_per_node}: hpctrain runs one rank per GPU")
+        _check(self.signal_delay_s < self.time_min * 60,
+               f"job.signal_delay_s = {self.signal_delay_s} must be shorter than job.time_min = {self.time_min} min")
+        for line in self.sbatch_extra:
+            _check(re.fullmatch(r"--[a-z][a-z0-9-]*(=.*)?", line) is not None,
+                   f"job.sbatch_extra entry {line!r} must look like '--option' or '--option=value'")
+
+    def sbatch_extra_dict(self) -> dict[str, str | bool]:
+        """sbatch_extra as submitit's additional_parameters ({"mail-type": "END"})."""
+        out: dict[str, str | bool] = {}
+        for line in self.sbatch_extra:
+            key, eq, value = line[2:].partition("=")
+            out[key] = value if eq else True
+        return out
+
+
+@dataclass
+class ParallelConfig:
+    """[parallel]: the (pp, dp, tp) layout, tp innermost, and how ranks connect."""
+    pp: int = 1
+    dp: int = -1  # -1: whatever is left of the world after pp * tp
+    tp: int = 1  # must fit inside one node
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
+    timeout_s: int = 600  # collective and rendezvous timeout
+    rendezvous: str = "auto"  # auto | mpi | slurm | submitit | torchrun | single
+    master_addr: str = ""  # address rank 0 publishes; empty: 127.0.0.1 on one host, else its host name
+
+    def __post_init__(self) -> None:
+        _positive("parallel", self, "pp", "tp", "timeout_s")
+        _check(self.dp == -1 or self.dp >= 1, f"parallel.dp = {self.dp} must be >= 1, or -1 for auto")
+        _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
+        _one_of("parallel", "rendezvous", self.rendezvous,
+                ("auto", "mpi", "slurm", "submitit", "torchrun", "single"))
+
+
+@dataclass
+class ModelConfig:
+    """[model]: a Llama-style decoder."""
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0: same as n_heads (no grouped-query attention)
+    ffn_dim: int = 0  # 0: about 8/3 * dim, rounded up to a multiple of 64
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
+        _positive("model", self, "n_kv_heads", "ffn_dim", allow_zero=True)
+        _check(self.dim % self.n_heads == 0,
+               f"model.dim = {self.dim} is not divisible by model.n_heads = {self.n_heads}")
+        kv = self.n_kv_heads or self.n_heads
+        _check(self.n_heads % kv == 0,
+               f"model.n_heads = {self.n_heads} is not divisible by model.n_kv_heads = {kv}")
+
+
+@dataclass
+class TrainConfig:
+    """[train]: the optimisation loop."""
+    steps: int = 100
+    micro_batch_size: int = 8  # sequences per rank per micro-step
+    grad_accum: int = 1
+    lr: float = 3e-4
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "micro_batch_size", "grad_accum", "log_every")
+        _positive("train", self, "steps", allow_zero=True)
+        _check(self.lr > 0, f"train.lr = {self.lr} must be > 0")
+        _one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+
+
+@dataclass
+class DataConfig:
+    """[data]: where tokens come from."""
+    source: str = "synthetic"  # synthetic | bin | hdf5
+    path: str = ""
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        _one_of("data", "source", self.source, ("synthetic", "bin", "hdf5"))
+        _positive("data", self, "seq_len")
+        _check(self.source == "synthetic" or self.path != "",
+               f"data.source = {self.source!r} needs data.path")
+
+
+@dataclass
+class CheckpointConfig:
+    """[checkpoint]: sharded HDF5 checkpoints."""
+    dir: str = ""  # empty: <run dir>/checkpoints
+    every_steps: int = 0  # 0: only on preemption and at the end
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", self, "every_steps", allow_zero=True)
+        _check(self.keep >= 2, f"checkpoint.keep = {self.keep} must be >= 2 so one committed checkpoint survives")
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.data.seq_len <= self.model.max_seq_len,
+               f"data.seq_len = {self.data.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}")
+
+    @property
+    def world_size(self) -> int:
+        return self.job.nodes * self.job.tasks_per_node
+
+
+_HINTS = typing.get_type_hints(Config)
+SECTIONS: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(Config)}
+
+
+def _suggest(word: str, valid: typing.Iterable[str]) -> str:
+    valid = sorted(valid)
+    close = difflib.get_close_matches(word, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; valid: {', '.join(valid)}"
+
+
+def _coerce(where: str, value: object, kind: object) -> object:
+    """Checks one TOML value against a field type; ints are accepted for float fields."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, float, str, bool):
+        if type(value) is not kind:
+            raise ValueError(f"{where} = {value!r} must be {kind.__name__}, not {type(value).__name__}")
+        return value
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise ValueError(f"{where} = {value!r} must be a list of {item.__name__}")
+        return [_coerce(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    raise AssertionError(f"unsupported field type {kind} for {where}")
+
+
+def _parse_override(text: str) -> tuple[str, str, object]:
+    """'section.key=value' -> (section, key, value); value parsed as TOML, else taken as a string."""
+    lhs, eq, rhs = text.partition("=")
+    section, dot, key = lhs.strip().partition(".")
+    if not eq or not dot or not key:
+        raise ValueError(f"--set {text!r} must look like section.key=value")
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()
+    return section, key.strip(), value
+
+
+def from_dict(raw: dict[str, typing.Any]) -> Config:
+    """Builds and validates a Config from nested dicts ({"job": {"nodes": 2}, ...})."""
+    sections = {}
+    for name, table in raw.items():
+        if name not in SECTIONS:
+            raise ValueError(f"unknown section [{name}]{_suggest(name, SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ValueError(f"[{name}] must be a table of key = value, not {table!r}")
+        cls = SECTIONS[name]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in table.items():
+            if key not in hints:
+                raise ValueError(f"unknown key {name}.{key}{_suggest(key, hints)}")
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        sections[name] = cls(**kwargs)
+    return Config(**sections)
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Reads a TOML file (or starts from defaults when path is None), applies overrides, validates."""
+    raw: dict[str, typing.Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        if section not in SECTIONS:
+            raise ValueError(f"--set {text!r}: unknown section [{section}]{_suggest(section, SECTIONS)}")
+        raw.setdefault(section, {})[key] = value
+    return from_dict(raw)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise AssertionError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML text that load_config reads back to an equal Config."""
+    lines = []
+    for name in SECTIONS:
+        lines.append(f"[{name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, name)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, typing.Any]]:
+    return dataclasses.asdict(cfg)

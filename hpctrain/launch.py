@@ -1,0 +1,200 @@
+"""Submission through submitit: the Slurm executor when Slurm answers, else submitit's local executor.
+
+    run_dir, job, kind = submit(cfg)       # validated config in, a fresh run directory out
+    wait(job, run_dir, kind, cfg)          # follows the job, never hangs on one that died
+
+`slurm_parameters(cfg)` is the one mapping from [job] to sbatch options; `render_sbatch` shows the script for
+--dry-run without needing Slurm. Heavy modules (torch, submitit) are imported inside functions.
+"""
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain import mesh, runs
+from hpctrain.config import Config, dump_toml
+
+
+class SubmitError(RuntimeError):
+    """Slurm refused the job or it failed; the message says why."""
+
+
+class TrainTask:
+    """The callable each task runs (pickled by submitit): `hpctrain train` on the run's own config."""
+
+    def __init__(self, config_path: str, run_dir: str) -> None:
+        self.config_path = config_path
+        self.run_dir = run_dir
+
+    def __call__(self) -> Any:
+        from hpctrain import train
+        return train.main(self.config_path, self.run_dir)
+
+
+def _run(cmd: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def slurm_status() -> tuple[bool, str]:
+    """(reachable, why): sbatch and srun on PATH and the controller answering sinfo."""
+    for tool in ("sbatch", "srun", "sinfo"):
+        if shutil.which(tool) is None:
+            return False, f"no {tool} on PATH"
+    try:
+        out = _run(["sinfo", "-h", "-o", "%P"])
+    except subprocess.TimeoutExpired:
+        return False, "sinfo did not answer within 15 s"
+    if out.returncode != 0:
+        return False, f"sinfo failed: {(out.stderr or out.stdout).strip()}"
+    return True, "sinfo answered"
+
+
+def choose_executor(cfg: Config) -> tuple[str, str]:
+    """('slurm' | 'local', reason)."""
+    ok, why = slurm_status()
+    if cfg.job.executor == "slurm" and not ok:
+        raise ValueError(f"job.executor = 'slurm' but Slurm is not reachable: {why}")
+    if cfg.job.executor == "local":
+        return "local", "job.executor = 'local'"
+    if ok:
+        return "slurm", why
+    return "local", f"Slurm not reachable ({why})"
+
+
+def check_partition(partition: str) -> None:
+    """A partition the cluster does not have is refused before sbatch."""
+    if not partition:
+        return
+    out = _run(["sinfo", "-h", "-o", "%R"])
+    names = sorted(set(out.stdout.split()))
+    if partition not in names:
+        raise ValueError(f"job.partition = {partition!r} does not exist on this cluster; available: "
+                         f"{', '.join(names) or '(none)'}")
+
+
+def slurm_parameters(cfg: Config) -> dict[str, Any]:
+    """[job] -> submitit SlurmExecutor parameters (sbatch option names)."""
+    j = cfg.job
+    params: dict[str, Any] = {
+        "job_name": j.name, "nodes": j.nodes, "ntasks_per_node": j.tasks_per_node,
+        "cpus_per_task": j.cpus_per_task, "time": j.time_min, "signal_delay_s": j.signal_delay_s,
+        "srun_args": list(j.srun_args), "setup": list(j.setup), "stderr_to_stdout": False,
+    }
+    optional = {"partition": j.partition, "account": j.account, "qos": j.qos, "constraint": j.constraint,
+                "gpus_per_node": j.gpus_per_node or None, "exclusive": j.exclusive or None,
+                "mem": f"{j.mem_gb:g}GB" if j.mem_gb else None,
+                "additional_parameters": j.sbatch_extra_dict() or None}
+    params.update({k: v for k, v in optional.items() if v})
+    return params
+
+
+def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) -> str:
+    """The sbatch script submitit would write, without Slurm present."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    python = python or shlex.quote(sys.executable)
+    command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
+
+
+def check_layout(cfg: Config) -> mesh.Layout:
+    """The layout for nodes x tasks_per_node under block placement, refused here on the login node."""
+    layout = mesh.resolve_layout(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.world_size)
+    mesh.check_topology(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
+    return layout
+
+
+def make_executor(kind: str, cfg: Config, folder: Path):
+    import submitit
+    if kind == "slurm":
+        ex = submitit.SlurmExecutor(folder=folder)
+        ex.update_parameters(**slurm_parameters(cfg))
+        return ex
+    # The local executor has one node: every rank of every requested node runs on this host.
+    ex = submitit.LocalExecutor(folder=folder)
+    ex.update_parameters(tasks_per_node=cfg.world_size, nodes=1, timeout_min=cfg.job.time_min)
+    return ex
+
+
+def submit(cfg: Config, echo=print) -> tuple[Path, Any, str]:
+    """Validates, makes a fresh run directory, submits. On failure nothing is left behind."""
+    check_layout(cfg)
+    kind, why = choose_executor(cfg)
+    if kind == "slurm":
+        check_partition(cfg.job.partition)
+    echo(f"executor: {kind} ({why})")
+    if kind == "local" and cfg.job.nodes > 1:
+        echo(f"local executor: {cfg.job.nodes} nodes x {cfg.job.tasks_per_node} tasks run as {cfg.world_size} "
+             f"processes on this host")
+    run_dir = runs.new_run_dir(cfg.job.run_root, cfg.job.name)
+    try:
+        config_path = run_dir / "config.toml"
+        config_path.write_text(dump_toml(cfg))
+        executor = make_executor(kind, cfg, run_dir / "submitit")
+        job = executor.submit(TrainTask(str(config_path), str(run_dir)))
+    except Exception as e:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        msg = str(e).strip()
+        raise SubmitError(f"submission failed, nothing was submitted: {msg}") from None
+    runs.write_json(run_dir / "job.json", {"executor": kind, "job_id": str(job.job_id),
+                                           "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                           "world_size": cfg.world_size})
+    return run_dir, job, kind
+
+
+def queue_state(job_id: str) -> str | None:
+    """The job's state from squeue, or None once it has left the queue."""
+    out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"])
+    states = out.stdout.split()
+    return states[0] if out.returncode == 0 and states else None
+
+
+def _follow_log(path: Path, pos: int, echo) -> int:
+    """Echoes new lines of rank 0's log; returns the new read position."""
+    if not path.exists():
+        return pos
+    with path.open() as f:
+        f.seek(pos)
+        for line in f:
+            echo("  | " + line.rstrip())
+        return f.tell()
+
+
+def wait(job: Any, run_dir: Path, kind: str, cfg: Config, echo=print, poll_s: float = 2.0) -> Any:
+    """Follows the job to its end, echoing state changes and rank 0's log; raises SubmitError on failure.
+
+    Without Slurm accounting submitit cannot tell a dead job's state and job.result() would wait forever, so
+    we watch squeue: once the job has left the queue its results must appear within job.wait_timeout_s.
+    """
+    log_path = runs.rank_log_path(run_dir, 0)
+    pos, last, t0 = 0, None, time.time()
+    while True:
+        state = queue_state(job.job_id) if kind == "slurm" else ("RUNNING" if not job.done() else None)
+        if state != last:
+            echo(f"[{time.time() - t0:6.1f} s] job {job.job_id}: {state or 'left the queue'}")
+            last = state
+        pos = _follow_log(log_path, pos, echo)
+        if state is None:
+            break
+        time.sleep(poll_s)
+    deadline = time.time() + cfg.job.wait_timeout_s
+    while not _has_results(job) and time.time() < deadline:
+        time.sleep(0.5)
+    pos = _follow_log(log_path, pos, echo)
+    if not _has_results(job):
+        raise SubmitError(f"job {job.job_id} left the queue without a result within {cfg.job.wait_timeout_s} s "
+                          f"(killed or crashed?); see {run_dir / 'submitit'} and {log_path.parent}")
+    try:
+        return job.results()
+    except Exception as e:
+        raise SubmitError(f"job {job.job_id} failed: {str(e).strip()[-3000:]}") from None
+
+
+def _has_results(job: Any) -> bool:
+    """submitit writes one result pickle per task when the task ends, failed or not."""
+    return all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks))
