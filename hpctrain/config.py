@@ -175,6 +175,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        _check(self.parallel.backend != "nccl" or self.job.gpus_per_node > 0,
+               f"parallel.backend = 'nccl' needs GPUs but job.gpus_per_node = {self.job.gpus_per_node}")
         _check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len = {self.data.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}")
 

@@ -66,15 +66,37 @@ def choose_executor(cfg: Config) -> tuple[str, str]:
     return "local", f"Slurm not reachable ({why})"
 
 
-def check_partition(partition: str) -> None:
-    """A partition the cluster does not have is refused before sbatch."""
-    if not partition:
-        return
-    out = _run(["sinfo", "-h", "-o", "%R"])
-    names = sorted(set(out.stdout.split()))
-    if partition not in names:
-        raise ValueError(f"job.partition = {partition!r} does not exist on this cluster; available: "
-                         f"{', '.join(names) or '(none)'}")
+def partitions() -> dict[str, dict[str, Any]]:
+    """{name: {"nodes": n, "cpus": max CPUs per node, "default": bool}} from sinfo."""
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c"])
+    parts: dict[str, dict[str, Any]] = {}
+    for line in out.stdout.splitlines():
+        name, nodes, cpus = line.strip().split("|")
+        default = name.endswith("*")
+        p = parts.setdefault(name.rstrip("*"), {"nodes": 0, "cpus": 0, "default": False})
+        p["nodes"] += int(nodes)
+        p["cpus"] = max(p["cpus"], int(cpus.rstrip("+")))
+        p["default"] |= default
+    return parts
+
+
+def check_cluster(cfg: Config) -> None:
+    """Refuses, before sbatch, what this cluster can never run: a missing partition, too many nodes or CPUs.
+
+    (sbatch accepts such a job and leaves it pending forever.)"""
+    parts = partitions()
+    name = cfg.job.partition or next((n for n, p in parts.items() if p["default"]), "")
+    if name not in parts:
+        what = f"job.partition = {cfg.job.partition!r}" if cfg.job.partition else "no default partition and job.partition"
+        raise ValueError(f"{what} does not exist on this cluster; available: {', '.join(sorted(parts)) or '(none)'}")
+    part = parts[name]
+    if cfg.job.nodes > part["nodes"]:
+        raise ValueError(f"job.nodes = {cfg.job.nodes} but partition {name!r} has only {part['nodes']} node(s)")
+    cpus = cfg.job.tasks_per_node * cfg.job.cpus_per_task
+    if cpus > part["cpus"]:
+        raise ValueError(f"job.tasks_per_node * job.cpus_per_task = {cfg.job.tasks_per_node} * "
+                         f"{cfg.job.cpus_per_task} = {cpus} CPUs per node, but nodes of partition {name!r} "
+                         f"have at most {part['cpus']}")
 
 
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
@@ -126,7 +148,7 @@ def submit(cfg: Config, echo=print) -> tuple[Path, Any, str]:
     check_layout(cfg)
     kind, why = choose_executor(cfg)
     if kind == "slurm":
-        check_partition(cfg.job.partition)
+        check_cluster(cfg)
     echo(f"executor: {kind} ({why})")
     if kind == "local" and cfg.job.nodes > 1:
         echo(f"local executor: {cfg.job.nodes} nodes x {cfg.job.tasks_per_node} tasks run as {cfg.world_size} "
@@ -148,10 +170,14 @@ def submit(cfg: Config, echo=print) -> tuple[Path, Any, str]:
 
 
 def queue_state(job_id: str) -> str | None:
-    """The job's state from squeue, or None once it has left the queue."""
-    out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"])
-    states = out.stdout.split()
-    return states[0] if out.returncode == 0 and states else None
+    """The job's state (with the pending reason) from squeue, or None once it has left the queue."""
+    out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T %r"])
+    state = out.stdout.strip()
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+        return f"UNKNOWN (squeue: {out.stderr.strip()})"  # controller busy: keep polling
+    if not state:
+        return None
+    return state.removesuffix(" None")  # "PENDING Resources", "RUNNING"
 
 
 def _follow_log(path: Path, pos: int, echo) -> int:

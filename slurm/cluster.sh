@@ -94,29 +94,37 @@ pid_alive() {
 }
 pid_of() { tr -dc '0-9' <"$1"; }
 
-# stop_pid PIDFILE NAME: SIGTERM, wait up to 20 s, then SIGKILL.
-stop_pid() {
-    local pidfile=$1 name=$2 pid i
-    if ! pid_alive "$pidfile" "$name"; then
-        rm -f -- "$pidfile"
-        return 0
-    fi
-    pid=$(pid_of "$pidfile")
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 200; i++)); do
-        [[ -d /proc/$pid ]] || break
+# stop_pids NAME PIDFILE...: SIGTERM every live NAME process named by the pid files, wait up to 20 s
+# for all of them together, then SIGKILL what is left.
+stop_pids() {
+    local name=$1 f pid i left
+    shift
+    local pids=()
+    for f in "$@"; do
+        if pid_alive "$f" "$name"; then
+            pid=$(pid_of "$f")
+            pids+=("$pid")
+            kill -TERM "$pid" 2>/dev/null || true
+        fi
+    done
+    for ((i = 0; i < 200 && ${#pids[@]} > 0; i++)); do
+        left=()
+        for pid in "${pids[@]}"; do [[ -d /proc/$pid ]] && left+=("$pid"); done
+        ((${#left[@]} == 0)) && break
         sleep 0.1
     done
-    if [[ -d /proc/$pid ]]; then
-        warn "$name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        for ((i = 0; i < 50; i++)); do
-            [[ -d /proc/$pid ]] || break
-            sleep 0.1
-        done
-    fi
-    rm -f -- "$pidfile"
-    say "stopped $name (pid $pid)"
+    for pid in "${pids[@]}"; do
+        if [[ -d /proc/$pid ]]; then
+            warn "$name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+            for ((i = 0; i < 50; i++)); do
+                [[ -d /proc/$pid ]] || break
+                sleep 0.1
+            done
+        fi
+    done
+    rm -f -- "$@"
+    ((${#pids[@]} == 0)) || say "stopped $name (pid ${pids[*]})"
 }
 
 # Start a daemon detached from our session, stdio and lock fd, so callers that capture our output
@@ -292,19 +300,28 @@ link_points_to_us() {
     [[ $t == "$STATE_DIR"/* ]]
 }
 
+sys_conf_foreign() { [[ -e $SYS_CONF || -L $SYS_CONF ]] && ! link_points_to_us; }
+
+# Refuse early (before starting anything) when another slurm.conf is in the way.
+check_sys_conf() {
+    sys_conf_foreign || return 0
+    if [[ $FORCE != 1 ]]; then
+        die "$SYS_CONF already exists and is not ours: $(ls -l -- "$SYS_CONF" | cut -c1-200)
+  Refusing to replace it. Set HPCTRAIN_SLURM_FORCE=1 to move it aside to $SYS_CONF_SAVED
+  (put back by 'down'), or remove it yourself."
+    fi
+    if [[ -e $SYS_CONF_SAVED || -L $SYS_CONF_SAVED ]]; then
+        die "$SYS_CONF_SAVED already exists; sort out $SYS_CONF by hand first"
+    fi
+}
+
 ensure_link() {
     if link_points_to_us && [[ $(readlink -- "$SYS_CONF") == "$CONF" ]]; then
         return 0
     fi
     mkdir -p /etc/slurm
-    if [[ -e $SYS_CONF || -L $SYS_CONF ]] && ! link_points_to_us; then
-        if [[ $FORCE != 1 ]]; then
-            die "$SYS_CONF already exists and is not ours ($(ls -l -- "$SYS_CONF" | cut -c1-200)).
-  Refusing to replace it. Set HPCTRAIN_SLURM_FORCE=1 to move it aside to $SYS_CONF_SAVED
-  (restored by 'down'), or use our cluster with SLURM_CONF=$CONF."
-        fi
-        [[ -e $SYS_CONF_SAVED || -L $SYS_CONF_SAVED ]] &&
-            die "$SYS_CONF_SAVED already exists; sort out $SYS_CONF by hand first"
+    if sys_conf_foreign; then
+        check_sys_conf
         say "HPCTRAIN_SLURM_FORCE=1: moving $SYS_CONF aside to $SYS_CONF_SAVED"
         mv -- "$SYS_CONF" "$SYS_CONF_SAVED"
     fi
@@ -333,13 +350,13 @@ node_states() {  # "name state" lines, one per node
     sinfo -h -N -o '%N %T' </dev/null 2>/dev/null | sort -u
 }
 
-# Every node in a usable state (idle, mixed, allocated or completing).
+# Every node in a usable state (idle, mixed, allocated, completing or planned).
 nodes_usable() {
     local states
     states=$(node_states) || return 1
     [[ -n $states ]] || return 1
     [[ $(wc -l <<<"$states") -ge $NODES ]] || return 1
-    ! awk '$2 !~ /^(idle|mixed|allocated|completing)$/ { bad = 1 } END { exit !bad }' <<<"$states"
+    ! awk '$2 !~ /^(idle|mixed|allocated|completing|planned)$/ { bad = 1 } END { exit !bad }' <<<"$states"
 }
 
 all_running() {
@@ -359,8 +376,12 @@ start_ctld() {
         launch "$STATE_DIR/slurmctld.out" /usr/sbin/slurmctld -f "$CONF" ||
             die "slurmctld failed to start" "$STATE_DIR/slurmctld.out" "$CTLD_LOG"
     fi
-    local deadline=$((SECONDS + TIMEOUT))
-    until ctld_up; do
+    local deadline=$((SECONDS + TIMEOUT)) started=$SECONDS
+    # Our slurmctld must be alive too: a ping could be answered by some other slurmctld on the port.
+    until ctld_running && ctld_up; do
+        if ! ctld_running && ((SECONDS - started >= 5)); then
+            die "slurmctld exited (port $BASE_PORT in use?)" "$STATE_DIR/slurmctld.out" "$CTLD_LOG"
+        fi
         ((SECONDS < deadline)) || die "slurmctld not answering 'scontrol ping' after ${TIMEOUT} s" \
             "$STATE_DIR/slurmctld.out" "$CTLD_LOG"
         sleep 0.3
@@ -380,7 +401,7 @@ start_slurmds() {
 }
 
 wait_nodes() {
-    local deadline=$((SECONDS + TIMEOUT)) last_resume=-100 states bad i
+    local deadline=$((SECONDS + TIMEOUT)) last_resume=-100 states bad i logs
     while :; do
         states=$(node_states || true)
         if nodes_usable; then
@@ -409,6 +430,7 @@ cmd_up() {
     need_root
     validate_settings
     take_lock
+    check_sys_conf
     mkdir -p -- "$STATE_DIR"
     ensure_packages
     ensure_munge
@@ -429,7 +451,9 @@ cmd_up() {
 
     if ((changed)); then
         if [[ -f $CONF ]] && { ctld_running || any_slurmd_running; }; then
-            say "configuration changed: restarting the Slurm daemons"
+            # Node layouts may differ, so running jobs would not survive the restart cleanly.
+            say "configuration changed: cancelling jobs and restarting the Slurm daemons"
+            cancel_jobs
             stop_daemons
         fi
         mv -f -- "$new" "$CONF"
@@ -490,12 +514,9 @@ leftover_stepds() {
 }
 
 stop_daemons() {
-    local f pids
-    for f in "$STATE_DIR"/slurmd-*.pid; do
-        [[ -e $f ]] || continue
-        stop_pid "$f" slurmd
-    done
-    stop_pid "$CTLD_PID" slurmctld
+    local pids
+    stop_pids slurmd "$STATE_DIR"/slurmd-*.pid
+    stop_pids slurmctld "$CTLD_PID"
     pids=$(leftover_stepds | paste -sd' ' -)
     if [[ -n $pids ]]; then
         warn "terminating leftover slurmstepd: $pids"
@@ -526,13 +547,14 @@ cmd_down() {
             rm -f -- "$CTLD_PID" "$STATE_DIR"/slurmd-*.pid
         fi
         if [[ -e $MUNGE_MARK ]]; then
-            stop_pid "$MUNGE_PID" munged
+            stop_pids munged "$MUNGE_PID"
             rm -f -- "$MUNGE_MARK"
         fi
     fi
     remove_link
     if ((purge)) && [[ -d $STATE_DIR ]]; then
         rm -rf -- "$STATE_DIR"
+        rm -f -- "$STATE_DIR.lock"
         say "purged $STATE_DIR"
     fi
     say "down ($(elapsed) s)"
@@ -567,8 +589,8 @@ cmd_status() {
     return "$ok"
 }
 
-usage() {
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+usage() {  # the header comment above
+    awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
 }
 
 case ${1:-} in

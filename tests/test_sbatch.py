@@ -1,0 +1,146 @@
+"""Pure tests of what `hpctrain submit` would hand to Slurm: the rendered sbatch script against a golden file,
+the submitit parameters, and the CLI's --dry-run / topo / error paths. Nothing is submitted.
+
+    .venv/bin/python -m pytest tests/test_sbatch.py -q
+    HPCTRAIN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch.py -q   # rewrite the golden file
+
+Read the diff of a rewritten golden file before committing it: it is the script Slurm will run.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpctrain import launch
+from hpctrain.cli import main
+from hpctrain.config import load_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "slurm" / "examples"
+TINY = EXAMPLES / "tiny-cpu.toml"
+GPU = EXAMPLES / "gpu-4x8.toml"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "gpu-4x8.sbatch"
+# Absolute on purpose: submitit makes the log paths absolute against the working directory, so a relative
+# folder would put the checkout's location into the golden file. The CLI passes an absolute folder too.
+FOLDER = "/RUNDIR/submitit"
+
+
+def gpu_script() -> str:
+    return launch.render_sbatch(load_config(GPU), FOLDER, python="python3")
+
+
+def test_gpu_sbatch_matches_golden():
+    text = gpu_script()
+    if os.environ.get("HPCTRAIN_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+        pytest.skip(f"rewrote {GOLDEN}")
+    golden = GOLDEN.read_text()
+    diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True), "golden", "rendered"))
+    assert text == golden, f"rendered sbatch differs (HPCTRAIN_UPDATE_GOLDEN=1 rewrites it):\n{diff}"
+
+
+def test_gpu_sbatch_content():
+    """The same script checked line by line, so a wrongly regenerated golden file still gets caught."""
+    lines = gpu_script().splitlines()
+    directives = [line for line in lines if line.startswith("#SBATCH ")]
+    for expected in ("--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12",
+                     "--partition=gpu", "--account=myproject", "--qos=normal", "--constraint=a100_80g",
+                     "--exclusive", "--signal=USR2@300", "--time=1440", "--job-name=llama-8b",
+                     "--mail-type=END,FAIL", "--requeue", f"--output={FOLDER}/%j_0_log.out"):
+        assert f"#SBATCH {expected}" in directives, expected
+    assert not any(d.startswith("#SBATCH --mem") for d in directives)  # mem_gb = 0: site default
+    srun = [i for i, line in enumerate(lines) if line.startswith("srun ")]
+    assert len(srun) == 1
+    line = lines[srun[0]]
+    assert "--mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit /RUNDIR/submitit" in line
+    setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5",
+                                      "export OMP_NUM_THREADS=8")]
+    assert setup == sorted(setup)
+    assert lines.index(directives[-1]) < setup[0] and setup[-1] < srun[0]
+
+
+def test_slurm_parameters_for_gpu_example():
+    assert launch.slurm_parameters(load_config(GPU)) == {
+        "job_name": "llama-8b", "nodes": 4, "ntasks_per_node": 8, "cpus_per_task": 12, "time": 1440,
+        "signal_delay_s": 300, "srun_args": ["--mpi=pmi2", "--cpu-bind=none"],
+        "setup": ["module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5", "export OMP_NUM_THREADS=8"],
+        "stderr_to_stdout": False, "partition": "gpu", "account": "myproject", "qos": "normal",
+        "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True,
+        "additional_parameters": {"mail-type": "END,FAIL", "requeue": True},
+    }
+
+
+def test_slurm_parameters_omit_empty_optional_fields():
+    params = launch.slurm_parameters(load_config(TINY))
+    assert set(params) == {"job_name", "nodes", "ntasks_per_node", "cpus_per_task", "time", "signal_delay_s",
+                           "srun_args", "setup", "stderr_to_stdout"}
+    assert (params["nodes"], params["ntasks_per_node"], params["time"]) == (2, 2, 20)
+    text = launch.render_sbatch(load_config(TINY), FOLDER, python="python3")
+    for option in ("--partition", "--account", "--qos", "--constraint", "--gpus", "--exclusive", "--mem"):
+        assert f"#SBATCH {option}" not in text
+
+
+def test_slurm_parameters_mem():
+    assert launch.slurm_parameters(load_config(TINY, ["job.mem_gb=64"]))["mem"] == "64GB"
+
+
+# --- the CLI ----------------------------------------------------------------------------------------------
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_dry_run_prints_script_and_map_and_creates_nothing(tmp_path):
+    run_root = tmp_path / "runs"
+    res = invoke("submit", GPU, "--dry-run", "--set", f"job.run_root={run_root}")
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "layout pp=2 dp=2 tp=8 on 4 node(s) x 8 rank(s)" in out
+    row31 = next(line for line in out.splitlines() if line.startswith("31 "))
+    assert row31.split() == ["31", "node3", "7", "1", "1", "7", "[24,25,26,27,28,29,30,31]", "[23,31]",
+                             "[15,31]"]
+    assert "#!/bin/bash" in out and "#SBATCH --nodes=4" in out and "#SBATCH --signal=USR2@300" in out
+    assert f"{run_root}/<run dir>/submitit" in out
+    assert "nothing submitted" in out
+    assert not run_root.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_refuses_tp_wider_than_a_node():
+    # dp = -1 so the product fits (2 * 1 * 16 = 32) and the per-node check is what refuses it
+    res = invoke("submit", GPU, "--dry-run", "--set", "parallel.tp=16", "--set", "parallel.dp=-1")
+    assert res.exit_code == 2
+    assert "tp(16)" in res.output and "8 ranks per node" in res.output
+    assert "#SBATCH" not in res.output
+
+
+def test_dry_run_refuses_wrong_product():
+    # the example fixes dp = 2, so tp = 16 alone breaks pp * dp * tp = world size first
+    res = invoke("submit", GPU, "--dry-run", "--set", "parallel.tp=16")
+    assert res.exit_code == 2
+    assert "tp(16)" in res.output and "= 64" in res.output and "world size 32" in res.output
+
+
+def test_topo_prints_the_map():
+    res = invoke("topo", TINY)
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "pp=1 dp=2 tp=2" in lines[0] and "2 node(s) x 2 rank(s)" in lines[0]
+    assert lines[2 + 3].split() == ["3", "node1", "1", "0", "1", "1", "[2,3]", "[1,3]", "[3]"]
+    assert len(lines) == 2 + 4
+
+
+def test_unknown_key_exits_2():
+    res = invoke("topo", TINY, "--set", "job.nodez=2")
+    assert res.exit_code == 2
+    assert "job.nodez" in res.output and "did you mean 'nodes'" in res.output
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    res = invoke("submit", tmp_path / "absent.toml", "--dry-run")
+    assert res.exit_code == 2
+    assert "absent.toml" in res.output

@@ -1,0 +1,70 @@
+"""Real Slurm tier: `hpctrain submit` against the local 2-node cluster (slurm/cluster.sh up).
+
+Skipped when no cluster answers, except in CI where HPCTRAIN_REQUIRE_SLURM=1 turns that into a failure.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import EXAMPLE, REPO, env_with_venv, hpctrain, read_summary, tool
+
+pytestmark = pytest.mark.slurm
+
+
+def _queue_size() -> int:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20)
+    return len(out.stdout.split())
+
+
+def test_submit_two_nodes_rank_map(slurm_cluster, tmp_path) -> None:
+    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "executor: slurm" in out.stdout
+    s = read_summary(tmp_path)
+    assert s["ok"] and s["launcher"] == "mpi" and s["world_size"] == 4 and s["num_nodes"] == 2
+    # srun -N2 -n4 places ranks 0-1 on n1 and 2-3 on n2; tp stays inside each node
+    assert [r["node"] for r in s["rank_map"]] == ["n1", "n1", "n2", "n2"]
+    assert s["checks"]["groups"]["tp"] == [[0, 1], [2, 3]]
+    assert s["checks"]["groups"]["intra"] == [[0, 1], [2, 3]]
+    run_dir = s["run_dir"]
+    assert re.search(rf"submitted job {s['job_id']} \(slurm\); run directory {re.escape(run_dir)}", out.stdout)
+    for name in ("config.toml", "job.json", "logs/rank00000.log", "logs/rank00003.log"):
+        assert (tmp_path / run_dir.split("/")[-1] / name).exists(), name
+
+
+def test_refusals_submit_nothing(slurm_cluster, tmp_path) -> None:
+    before = _queue_size()
+    spans = hpctrain("submit", str(EXAMPLE), "--set", "parallel.tp=4", "--set", f"job.run_root={tmp_path}")
+    assert spans.returncode == 2 and "tp(4) does not divide the 2 ranks per node" in spans.stderr
+    nopart = hpctrain("submit", str(EXAMPLE), "--set", "job.partition=gpu", "--set", f"job.run_root={tmp_path}")
+    assert nopart.returncode == 2 and "job.partition = 'gpu' does not exist" in nopart.stderr
+    assert "debug" in nopart.stderr
+    # a job the cluster could never run would pend forever: refused up front
+    toobig = hpctrain("submit", str(EXAMPLE), "--set", "job.nodes=3", "--set", f"job.run_root={tmp_path}")
+    assert toobig.returncode == 2 and "job.nodes = 3 but partition 'debug' has only 2 node(s)" in toobig.stderr
+    # sbatch itself refuses (unknown node feature): reported, run directory removed
+    feature = hpctrain("submit", str(EXAMPLE), "--set", "job.constraint=nosuch", "--set", f"job.run_root={tmp_path}")
+    assert feature.returncode == 1 and "submission failed, nothing was submitted" in feature.stderr
+    assert "Invalid feature specification" in feature.stderr
+    assert _queue_size() == before
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_wait_does_not_hang_on_a_killed_job(slurm_cluster, tmp_path) -> None:
+    cmd = [tool("hpctrain"), "submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}",
+           "--set", "job.wait_timeout_s=5", "--set", "job.setup=['sleep 600']"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_venv(),
+                            cwd=REPO)
+    line = proc.stdout.readline()
+    while line and "submitted job" not in line:
+        line = proc.stdout.readline()
+    job_id = re.search(r"submitted job (\d+)", line).group(1)
+    time.sleep(3)
+    subprocess.run(["scancel", job_id], check=True, timeout=20)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1
+    assert f"job {job_id} left the queue without a result" in err
