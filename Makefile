@@ -1,0 +1,46 @@
+# hpctrain: `make submit` runs the example job, `make test` runs the tests. Both set themselves up.
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+BIN := $(VENV)/bin
+CONFIG ?= slurm/examples/tiny-cpu.toml
+ARGS ?=
+# torch is pinned to the local CPU wheel only when the virtualenv has no torch at all; on a cluster, make the
+# venv with VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead.
+TORCH_SPEC ?= torch==2.13.0
+# The mpich wheel gives mpi4py an MPI where the machine has none; with a site MPI (mpicc on PATH) it is skipped.
+MPI_WHEEL ?= $(if $(shell command -v mpicc 2>/dev/null),,mpich)
+STAMP := $(VENV)/.hpctrain-installed
+
+.PHONY: install test submit bench lint slurm-up slurm-down clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py setup.cfg
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]" $(MPI_WHEEL)
+	touch $(STAMP)
+
+test: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q tests $(ARGS)
+
+submit: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/hpctrain submit $(CONFIG) --wait $(ARGS)
+
+bench: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/run_all.py $(ARGS)
+
+lint: install
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/python -m ruff check hpctrain tests benchmarks
+
+slurm-up:
+	bash slurm/cluster.sh up
+
+slurm-down:
+	bash slurm/cluster.sh down
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache runs
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,121 @@
+"""Pure tests of launcher detection and identity in hpctrain.rendezvous, from plain dicts standing in for the
+environment: no MPI, no torch.distributed.
+
+    .venv/bin/python -m pytest tests/test_rendezvous_env.py -q
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from hpctrain.rendezvous import Identity, detect_launcher, identity_from_env, identity_from_node_names
+
+SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+         "SLURM_NNODES": "4", "SLURM_JOB_ID": "4242"}
+SUBMITIT = {"SUBMITIT_LOCAL_GLOBALID": "3", "SUBMITIT_LOCAL_NTASKS": "4", "SUBMITIT_LOCAL_LOCALID": "3",
+            "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_JOB_ID": "777"}
+TORCHRUN = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+            "TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+
+
+@pytest.fixture(autouse=True)
+def fixed_node_name(monkeypatch):
+    monkeypatch.setenv("SLURMD_NODENAME", "n7")
+
+
+# --- detect_launcher --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "single"),
+    ({"HOME": "/home/x", "PATH": "/bin"}, "single"),
+    (SLURM, "slurm"),
+    (SUBMITIT, "submitit"),
+    (TORCHRUN, "torchrun"),
+    ({"TORCHELASTIC_RUN_ID": "x"}, "torchrun"),
+    (SLURM | {"PMI_RANK": "5"}, "mpi"),            # srun --mpi=pmi2 sets both: MPI wins
+    (SLURM | {"PMIX_RANK": "5"}, "mpi"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "mpi"),
+    ({"MV2_COMM_WORLD_RANK": "0"}, "mpi"),
+    (SLURM | TORCHRUN, "torchrun"),                # srun torchrun: the workers are torchrun's
+    (SLURM | SUBMITIT, "submitit"),                # local executor inside an allocation
+    (TORCHRUN | {"PMI_RANK": "0"}, "mpi"),
+])
+def test_detect_launcher(env, expected):
+    assert detect_launcher(env) == expected
+
+
+# --- identity_from_env ------------------------------------------------------------------------------------
+
+def test_identity_from_slurm_env():
+    ident = identity_from_env("slurm", SLURM)
+    assert ident == Identity(rank=5, world_size=8, local_rank=1, node_index=2, node_name="n7", num_nodes=4,
+                             launcher="slurm", job_id="4242", host=socket.gethostname())
+
+
+def test_identity_from_submitit_env():
+    ident = identity_from_env("submitit", SUBMITIT)
+    assert (ident.rank, ident.world_size, ident.local_rank, ident.node_index, ident.num_nodes) == (3, 4, 3, 0, 1)
+    assert (ident.launcher, ident.job_id, ident.node_name) == ("submitit", "777", "n7")
+
+
+def test_identity_from_torchrun_env_derives_nodes():
+    ident = identity_from_env("torchrun", TORCHRUN)
+    # 8 ranks, 4 per node: 2 nodes, rank 6 on the second
+    assert (ident.rank, ident.world_size, ident.local_rank, ident.num_nodes, ident.node_index) == (6, 8, 2, 2, 1)
+    assert (ident.launcher, ident.job_id) == ("torchrun", "abc")
+
+
+def test_identity_from_torchrun_env_prefers_group_rank():
+    ident = identity_from_env("torchrun", TORCHRUN | {"GROUP_RANK": "0"})
+    assert ident.node_index == 0
+
+
+def test_torchrun_under_srun_takes_slurm_job_id():
+    env = {k: v for k, v in TORCHRUN.items() if k != "TORCHELASTIC_RUN_ID"} | {"SLURM_JOB_ID": "99"}
+    assert identity_from_env("torchrun", env).job_id == "99"
+
+
+@pytest.mark.parametrize("launcher, env, missing", [
+    ("slurm", SLURM, "SLURM_LOCALID"),
+    ("slurm", SLURM, "SLURM_NNODES"),
+    ("submitit", SUBMITIT, "SUBMITIT_LOCAL_NTASKS"),
+    ("torchrun", TORCHRUN, "LOCAL_WORLD_SIZE"),
+    ("torchrun", TORCHRUN, "RANK"),
+])
+def test_missing_variable_is_named(launcher, env, missing):
+    env = {k: v for k, v in env.items() if k != missing}
+    with pytest.raises(ValueError) as info:
+        identity_from_env(launcher, env)
+    assert missing in str(info.value) and launcher in str(info.value)
+
+
+def test_job_id_is_optional():
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}
+    assert identity_from_env("slurm", env).job_id.startswith("pid")
+
+
+# --- identity_from_node_names (the MPI path) ---------------------------------------------------------------
+
+def test_identity_from_block_node_names():
+    names = ["n1", "n1", "n2", "n2"]
+    idents = [identity_from_node_names(r, names, "mpi", "j1") for r in range(4)]
+    assert [i.node_index for i in idents] == [0, 0, 1, 1]
+    assert [i.local_rank for i in idents] == [0, 1, 0, 1]
+    assert [i.node_name for i in idents] == names
+    assert all((i.world_size, i.num_nodes, i.launcher, i.job_id) == (4, 2, "mpi", "j1") for i in idents)
+    assert [i.rank for i in idents] == [0, 1, 2, 3]
+
+
+def test_identity_from_interleaved_node_names():
+    names = ["b", "a", "b", "a", "c"]  # node index by first appearance, not alphabetical
+    idents = [identity_from_node_names(r, names, "mpi", "j") for r in range(len(names))]
+    assert [i.node_index for i in idents] == [0, 1, 0, 1, 2]
+    assert [i.local_rank for i in idents] == [0, 0, 1, 1, 0]
+    assert {i.num_nodes for i in idents} == {3}
+
+
+def test_identity_from_alternating_node_names():
+    names = ["a", "b", "a", "b"]
+    idents = [identity_from_node_names(r, names, "mpi", "j") for r in range(4)]
+    assert [(i.node_index, i.local_rank) for i in idents] == [(0, 0), (1, 0), (0, 1), (1, 1)]
