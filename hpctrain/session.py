@@ -1,0 +1,118 @@
+"""Start and stop of every job's ranks: rendezvous, the run directory, the topology-checked mesh and its
+checked all-reduce, and rank 0's summary.json. Payloads (training, benchmarks) run inside:
+
+    with session.start(cfg, run_dir) as s:     # s.ident, s.device, s.mesh, s.run_dir, s.summary
+        s.summary["payload"] = do_work(s.mesh)
+
+Every rank sees the same gathered identities, so a refused layout is refused on all ranks alike (no hang).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hpctrain import mesh, rendezvous, runs
+from hpctrain.config import Config, dump_toml
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    cfg: Config
+    ident: rendezvous.Identity
+    device: torch.device
+    run_dir: Path
+    mesh: mesh.Mesh | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.ident.rank
+
+
+def _agree_run_dir(cfg: Config, run_dir: Path | None, rank: int) -> Path:
+    """Direct launches get a fresh run directory made by rank 0 and broadcast to all."""
+    if run_dir is not None:
+        return run_dir
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = runs.new_run_dir(cfg.job.run_root, cfg.job.name)
+        (box[0] / "config.toml").write_text(dump_toml(cfg))
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_groups(mesh_: mesh.Mesh, rank: int, device: torch.device) -> dict[str, Any]:
+    """Runs mesh.verify_mesh on every rank and gathers the verdicts on all ranks."""
+    mine = mesh.verify_mesh(mesh_, rank, device)
+    every: list[Any] = [None] * mesh_.layout.world_size
+    dist.all_gather_object(every, mine)
+    bad = [f"rank {r} axis {axis}: expected {res['members']} got {res['got']}"
+           for r, checks in enumerate(every) for axis, res in checks.items() if not res["ok"]]
+    axes = {axis: sorted({tuple(c[axis]["members"]) for c in every}) for axis in mine}
+    return {"ok": not bad, "failures": bad, "groups": {a: [list(g) for g in gs] for a, gs in axes.items()}}
+
+
+def _build_mesh(s: Session) -> None:
+    idents: list[Any] = [None] * s.ident.world_size
+    dist.all_gather_object(idents, s.ident)
+    node_of_rank = [i.node_index for i in idents]
+    p = s.cfg.parallel
+    layout = mesh.resolve_layout(p.pp, p.dp, p.tp, s.ident.world_size)
+    rows = mesh.rank_table(layout, node_of_rank, [i.node_name for i in idents], [i.local_rank for i in idents])
+    s.summary["layout"] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    s.summary["rank_map"] = rows
+    mesh.check_topology(layout, node_of_rank)
+    if s.rank == 0:
+        for line in mesh.format_rank_map(layout, rows).splitlines():
+            log.info("%s", line)
+    s.mesh = mesh.build_mesh(layout, node_of_rank, s.device.type)
+    checks = check_groups(s.mesh, s.rank, s.device)
+    s.summary["checks"] = checks
+    if not checks["ok"]:
+        raise RuntimeError("group checks failed:\n" + "\n".join(checks["failures"]))
+    log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES + mesh.NODE_AXES))
+
+
+@contextlib.contextmanager
+def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
+    """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit."""
+    t0 = time.time()
+    ident = rendezvous.identify(cfg.parallel.rendezvous)
+    rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
+    device = rendezvous.init_distributed(ident, cfg.parallel.backend, cfg.parallel.timeout_s,
+                                         cfg.parallel.master_addr, rdzv_dir)
+    try:
+        s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank))
+        runs.setup_logging(s.run_dir, ident.rank)
+        log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",
+                 ident.rank, ident.world_size, ident.node_name, ident.local_rank, ident.node_index,
+                 ident.num_nodes, ident.launcher, ident.job_id, device, time.time() - t0)
+        s.summary.update({
+            "ok": False, "launcher": ident.launcher, "job_id": ident.job_id, "world_size": ident.world_size,
+            "num_nodes": ident.num_nodes, "backend": dist.get_backend(), "torch": torch.__version__,
+            "python": platform.python_version(), "run_dir": str(s.run_dir),
+        })
+        try:
+            _build_mesh(s)
+            yield s
+            s.summary["ok"] = True
+        except Exception as e:
+            s.summary["error"] = f"{type(e).__name__}: {e}"
+            log.error("%s", s.summary["error"])
+            raise
+        finally:
+            s.summary["elapsed_s"] = round(time.time() - t0, 3)
+            if ident.rank == 0:
+                runs.write_json(s.run_dir / "summary.json", s.summary)
+    finally:
+        dist.destroy_process_group()
