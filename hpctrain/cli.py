@@ -63,18 +63,25 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -
                    f"nothing submitted\n")
         click.echo(launch.render_sbatch(cfg, Path(cfg.job.run_root).absolute() / "<run dir>" / "submitit"))
         return
+    _submit(cfg, wait)
+
+
+def _submit(cfg: Config, wait: bool, argv=None) -> Path:
+    """Submits (train by default, or the given command line) and optionally follows the job."""
+    from hpctrain import launch
+
     try:
-        run_dir, job, kind = launch.submit(cfg, echo=click.echo)
+        run_dir, job, kind = launch.submit(cfg, echo=click.echo, **({"argv": argv} if argv else {}))
     except launch.SubmitError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"submitted job {job.job_id} ({kind}); run directory {run_dir}")
-    if not wait:
-        return
-    try:
-        launch.wait(job, run_dir, kind, cfg, echo=click.echo)
-    except launch.SubmitError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(f"job {job.job_id} finished; summary in {run_dir / 'summary.json'}")
+    if wait:
+        try:
+            launch.wait(job, run_dir, kind, cfg, echo=click.echo)
+        except launch.SubmitError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"job {job.job_id} finished; summary in {run_dir / 'summary.json'}")
+    return run_dir
 
 
 @main.command()
@@ -88,7 +95,83 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
     from hpctrain import train as train_mod
 
     cfg = _load(config, overrides)
-    train_mod.run(cfg, run_dir)
+    return train_mod.run(cfg, run_dir)
+
+
+@main.command(context_settings={"show_default": True})
+@click.argument("colls", nargs=-1)
+@click.option("-b", "--minbytes", default="1K", help="Smallest message (K, M, G suffixes).")
+@click.option("-e", "--maxbytes", default="16M", help="Largest message.")
+@click.option("-f", "--stepfactor", default=2, type=int, help="Multiply the size by this between steps.")
+@click.option("-i", "--stepbytes", default=0, type=int, help="Add this many bytes between steps instead.")
+@click.option("-n", "--iters", default=20, type=int, help="Timed iterations per size.")
+@click.option("-w", "--warmup", default=5, type=int, help="Untimed iterations before timing.")
+@click.option("-c", "--check", default=1, type=click.IntRange(0, 1), help="Check results (#wrong).")
+@click.option("-d", "--datatype", default="float", help="Element type; for gemm a comma list.")
+@click.option("-o", "--op", default="sum", help="Reduction: sum, prod, min, max, avg.")
+@click.option("-r", "--root", default=0, type=int, help="Root for broadcast and reduce (index in the group).")
+@click.option("--group", default="world", help="Communicator: world, tp, dp, pp, intra, inter.")
+@click.option("--backend", default="torch", help="torch (the job's gloo/NCCL) or mpi (mpi4py, host buffers).")
+@click.option("--algo", default="flat", help="all_reduce algorithm: flat or hier (two-level over nodes).")
+@click.option("-J", "--json", "json_path", default=None, help="Also write the JSON lines here.")
+@click.option("--plot", "plot_path", default=None, help="Also write the busbw PNG here.")
+@click.option("--gemm-size", default=1024, type=int, help="Matrix size of the GEMM probe.")
+@click.option("--seed", default=0, type=int)
+@click.option("--inject-wrong", is_flag=True, hidden=True)
+@click.option("--config", "config", default=None, type=click.Path(dir_okay=False), help="Job config (layout).")
+@SET_OPT
+@click.option("--run-dir", default=None, type=click.Path(file_okay=False))
+@click.option("--submit", "do_submit", is_flag=True, help="Submit as a job (Slurm, else local) with CONFIG's shape.")
+@click.option("--wait", is_flag=True, help="With --submit: follow the job and print the table.")
+@user_errors
+def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check, datatype, op, root, group,
+          backend, algo, json_path, plot_path, gemm_size, seed, inject_wrong, config, overrides, run_dir,
+          do_submit, wait):
+    """nccl-tests-style benchmark of COLLS (all_reduce all_gather reduce_scatter alltoall broadcast reduce
+    sendrecv, or all) on the job's own communicators; `hpctrain bench gemm` measures the matmul rate."""
+    from hpctrain.bench import sweep
+
+    cfg = _load(config, ("job.name=bench",) * (config is None) + overrides)
+    names = list(colls) or ["all_reduce"]
+    if do_submit:
+        from hpctrain import launch
+
+        launch.check_layout(cfg)
+        args = [a for a in _bench_argv(click.get_current_context()) if a not in ("--submit", "--wait")]
+        path = _submit(cfg, wait, argv=lambda cfg_path, rdir: ["bench", *args, "--config", str(cfg_path),
+                                                                "--run-dir", str(rdir)])
+        if wait and (path / "bench.txt").exists():
+            click.echo((path / "bench.txt").read_text(), nl=False)
+        return None
+    from hpctrain import benchjob
+
+    if names == ["gemm"]:
+        dtypes = datatype.split(",")
+        return benchjob.main(cfg, run_dir, lambda s: benchjob.run_gemm(s, dtypes, gemm_size))
+    from hpctrain.bench.harness import Options
+    from hpctrain.bench.colls import COLLS
+
+    opts = Options(colls=list(COLLS) if names == ["all"] else names,
+                   sizes=sweep.size_sweep(sweep.parse_size(minbytes), sweep.parse_size(maxbytes), stepfactor,
+                                          stepbytes),
+                   iters=iters, warmup=warmup, check=bool(check), dtype=datatype, op=op, root=root, group=group,
+                   backend=backend, algo=algo, seed=seed, inject_wrong=inject_wrong)
+    return benchjob.main(cfg, run_dir, lambda s: benchjob.run_collectives(s, opts, json_path, plot_path))
+
+
+def _bench_argv(ctx: click.Context) -> list[str]:
+    """The bench command line again, for the submitted ranks (config and run dir are added by the caller)."""
+    argv = list(ctx.params["colls"])
+    for param in ctx.command.params:
+        value = ctx.params[param.name]
+        if param.name in ("colls", "config", "overrides", "run_dir") or value is None:
+            continue
+        flag = param.opts[-1]
+        if param.is_flag:
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 @main.command()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpctrain import mesh, runs
 from hpctrain.config import Config, dump_toml
@@ -24,16 +24,19 @@ class SubmitError(RuntimeError):
     """Slurm refused the job or it failed; the message says why."""
 
 
-class TrainTask:
-    """The callable each task runs (pickled by submitit): `hpctrain train` on the run's own config."""
+class CliTask:
+    """The callable each task runs (pickled by submitit): one `hpctrain` command line, in process."""
 
-    def __init__(self, config_path: str, run_dir: str) -> None:
-        self.config_path = config_path
-        self.run_dir = run_dir
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
 
     def __call__(self) -> Any:
-        from hpctrain import train
-        return train.main(self.config_path, self.run_dir)
+        from hpctrain import cli
+        return cli.main(self.argv, standalone_mode=False)
+
+
+def train_argv(config_path: Path, run_dir: Path) -> list[str]:
+    return ["train", str(config_path), "--run-dir", str(run_dir)]
 
 
 def _run(cmd: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
@@ -143,7 +146,7 @@ def make_executor(kind: str, cfg: Config, folder: Path):
     return ex
 
 
-def submit(cfg: Config, echo=print) -> tuple[Path, Any, str]:
+def submit(cfg: Config, echo=print, argv: Callable[[Path, Path], list[str]] = train_argv) -> tuple[Path, Any, str]:
     """Validates, makes a fresh run directory, submits. On failure nothing is left behind."""
     check_layout(cfg)
     kind, why = choose_executor(cfg)
@@ -158,7 +161,7 @@ def submit(cfg: Config, echo=print) -> tuple[Path, Any, str]:
         config_path = run_dir / "config.toml"
         config_path.write_text(dump_toml(cfg))
         executor = make_executor(kind, cfg, run_dir / "submitit")
-        job = executor.submit(TrainTask(str(config_path), str(run_dir)))
+        job = executor.submit(CliTask(argv(config_path, run_dir)))
     except Exception as e:
         shutil.rmtree(run_dir, ignore_errors=True)
         msg = str(e).strip()

@@ -1,0 +1,39 @@
+"""GEMM probe: the device's measured matmul rate per dtype, the peak that MFU can be measured against.
+
+    tflops = measure_gemm(torch.float32, n=2048, device=torch.device("cpu"))
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_gemm(dtype: torch.dtype, n: int, device: torch.device, iters: int = 0, min_time_s: float = 0.5,
+                 warmup: int = 2) -> dict[str, float]:
+    """Times C = A @ B for n x n matrices; iterations grow until the loop lasts min_time_s (or iters given)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+
+    def loop(k: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            torch.mm(a, b)
+        sync(device)
+        return time.perf_counter() - t0
+
+    loop(warmup)
+    k = iters or 1
+    elapsed = loop(k)
+    while not iters and elapsed < min_time_s:
+        k = max(k * 2, int(k * min_time_s / max(elapsed, 1e-6) * 1.2))
+        elapsed = loop(k)
+    flops = 2.0 * n**3 * k
+    return {"n": n, "iters": k, "time_s": elapsed, "tflops": flops / elapsed / 1e12}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,186 @@
+"""The one benchmark harness: for each size and placement, fill seeded inputs, warm up, time a loop between
+barriers (device synchronised), take the slowest rank's time, then refill, run once and count wrong elements.
+
+    opts = Options(colls=["all_reduce"], sizes=size_sweep(1024, 1 << 20))
+    rows = run_benchmark(opts, ctx_for(mesh, rank, opts), world_max, world_sum, barrier, device)
+
+Groups come in as arguments (torch groups from the mesh, or an mpi4py communicator over the same members).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from hpctrain.bench.colls import COLLS, Coll, Ctx
+from hpctrain.bench.sweep import Row, bandwidths
+
+DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
+ALIASES = {"float32": "float", "fp32": "float", "float64": "double", "fp64": "double", "float16": "half",
+           "fp16": "half", "bf16": "bfloat16", "int": "int32", "long": "int64"}
+MPI_DTYPES = ("float", "double", "int32", "int64", "int8", "uint8")
+GROUPS = ("world", "pp", "dp", "tp", "intra", "inter")
+
+
+@dataclass
+class Options:
+    colls: list[str]
+    sizes: list[int]
+    iters: int = 20
+    warmup: int = 5
+    check: bool = True
+    dtype: str = "float"
+    op: str = "sum"
+    root: int = 0
+    group: str = "world"
+    backend: str = "torch"  # torch (gloo/NCCL as started) | mpi (mpi4py on host buffers)
+    algo: str = "flat"  # flat | hier (all_reduce on world only)
+    seed: int = 0
+    inject_wrong: bool = False  # corrupt one received element on one rank: proves the check can fail
+    placements: tuple[str, ...] = field(default=("out", "in"))
+
+    def __post_init__(self) -> None:
+        self.dtype = ALIASES.get(self.dtype, self.dtype)
+        unknown = [c for c in self.colls if c not in COLLS]
+        if unknown:
+            raise ValueError(f"unknown collective(s) {', '.join(unknown)}; valid: {', '.join(COLLS)}, all")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"-d {self.dtype}: unknown type; valid: {', '.join(DTYPES)}")
+        if self.op not in ("sum", "prod", "min", "max", "avg"):
+            raise ValueError(f"-o {self.op}: valid reductions are sum, prod, min, max, avg")
+        if self.op == "avg" and not DTYPES[self.dtype].is_floating_point:
+            raise ValueError(f"-o avg needs a floating type, not -d {self.dtype}")
+        if self.group not in GROUPS:
+            raise ValueError(f"--group {self.group}: valid groups are {', '.join(GROUPS)}")
+        if self.backend not in ("torch", "mpi"):
+            raise ValueError(f"--backend {self.backend}: valid backends are torch and mpi")
+        if self.backend == "mpi" and self.dtype not in MPI_DTYPES:
+            raise ValueError(f"--backend mpi works on host buffers of {', '.join(MPI_DTYPES)}, not -d {self.dtype}")
+        if self.algo not in ("flat", "hier"):
+            raise ValueError(f"--algo {self.algo}: valid algorithms are flat and hier")
+        if self.algo == "hier" and (self.colls != ["all_reduce"] or self.group != "world" or self.backend != "torch"):
+            raise ValueError("--algo hier is the two-level all_reduce: use it with all_reduce, --group world and "
+                             f"--backend torch (got {', '.join(self.colls)}, --group {self.group}, "
+                             f"--backend {self.backend})")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"-n {self.iters} -w {self.warmup}: need at least 1 iteration and >= 0 warmup")
+        if self.root < 0:
+            raise ValueError(f"-r {self.root}: the root must be >= 0")
+
+
+def make_data(rank: int, numel: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
+    """Seeded small integers, exact in every type: {1, 2} for prod (products stay powers of two), else 0..3."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    lo, hi = (1, 3) if op == "prod" else (0, 4)
+    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def count_wrong(got: torch.Tensor, want: torch.Tensor, op: str) -> int:
+    """Elements of `got` that differ from the float64 reference; exact except for avg (rounded division)."""
+    dtype = got.dtype
+    got, want = got.detach().to("cpu").double(), want.double()
+    if op == "avg":
+        return int((~torch.isclose(got, want, rtol=4 * torch.finfo(dtype).eps, atol=0)).sum())
+    return int((got != want).sum())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Inputs:
+    """Every member's input for one size, generated once (the expected results need them all)."""
+
+    def __init__(self, opts: Options, dtype: torch.dtype) -> None:
+        self.opts, self.dtype, self.cache = opts, dtype, {}
+
+    def __call__(self, rank: int, numel: int) -> torch.Tensor:
+        key = (rank, numel)
+        if key not in self.cache:
+            self.cache[key] = make_data(rank, numel, self.dtype, self.opts.op, self.opts.seed)
+        return self.cache[key]
+
+
+def _buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    send_n, recv_n = coll.sizes(T, ctx.n)
+    if ctx.inplace:
+        buf = torch.zeros(max(send_n, recv_n), dtype=dtype, device=device)
+        return coll.views(buf, ctx, backend)
+    return torch.zeros(send_n, dtype=dtype, device=device), torch.zeros(recv_n, dtype=dtype, device=device)
+
+
+def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _Inputs,
+                  world_max: Callable[[float], float], world_sum: Callable[[int], int],
+                  barrier: Callable[[], None]) -> dict[str, Any]:
+    dtype = DTYPES[opts.dtype]
+    send, recv = _buffers(coll, ctx, T, dtype, device, opts.backend)
+    run = coll.run_torch if opts.backend == "torch" else coll.run_mpi
+    send.copy_(inputs(ctx.members[ctx.idx], send.numel()))
+    for _ in range(opts.warmup):
+        run(send, recv, ctx)
+    _sync(device)
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(opts.iters):
+        run(send, recv, ctx)
+    _sync(device)
+    elapsed = world_max((time.perf_counter() - t0) / opts.iters)  # the slowest rank's time
+    wrong = None
+    if opts.check:
+        recv.fill_(99)  # a value no input or result here takes, so an untouched element counts as wrong
+        send.copy_(inputs(ctx.members[ctx.idx], send.numel()))
+        run(send, recv, ctx)
+        _sync(device)
+        want = coll.expected(inputs, ctx, T)
+        mine = 0
+        if want is not None:
+            if opts.inject_wrong and ctx.idx == ctx.n - 1:
+                recv.view(-1)[0] += 1
+            mine = count_wrong(recv, want, opts.op)
+        wrong = world_sum(mine)
+    return {"time_us": elapsed * 1e6, "wrong": wrong}
+
+
+def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_max: Callable[[float], float],
+                  world_sum: Callable[[int], int], barrier: Callable[[], None],
+                  emit: Callable[[Row], None] = lambda row: None) -> list[Row]:
+    """All sizes of all requested collectives; `emit` sees each row as soon as it is measured."""
+    dtype = DTYPES[opts.dtype]
+    elem = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for name in opts.colls:
+        coll = COLLS[name]
+        if name == "sendrecv" and ctx.n < 2:
+            raise ValueError(f"sendrecv needs a group of >= 2 ranks; --group {opts.group} has {ctx.n}")
+        if opts.root >= ctx.n:
+            raise ValueError(f"-r {opts.root}: the root must be below the group size {ctx.n}")
+        align = coll.align(ctx.n) * (dist_size(ctx.hier[0]) if ctx.hier else 1)
+        for size in opts.sizes:
+            T = (size // elem) // align * align
+            if T == 0:
+                continue
+            inputs = _Inputs(opts, dtype)
+            res = {}
+            for placement in ("out", "in"):
+                if placement in coll.placements[opts.backend] and placement in opts.placements:
+                    pctx = replace(ctx, inplace=placement == "in")
+                    res[placement] = run_placement(coll, pctx, T, opts, device, inputs, world_max, world_sum,
+                                                   barrier)
+            row = Row(coll=name, size=T * elem, count=coll.chunk(T, ctx.n), dtype=opts.dtype, op=opts.op,
+                      root=opts.root, nranks=ctx.n, group=opts.group, backend=opts.backend, algo=opts.algo)
+            for placement, r in res.items():
+                algbw, busbw = bandwidths(row.size, r["time_us"] / 1e6, name, ctx.n)
+                r.update(algbw=algbw, busbw=busbw)
+            row.out, row.inp = res.get("out"), res.get("in")
+            rows.append(row)
+            emit(row)
+    return rows
+
+
+def dist_size(group) -> int:
+    import torch.distributed as dist
+    return dist.get_world_size(group)
