@@ -148,8 +148,8 @@ def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check
     if names == ["gemm"]:
         dtypes = datatype.split(",")
         return benchjob.main(cfg, run_dir, lambda s: benchjob.run_gemm(s, dtypes, gemm_size))
-    from hpctrain.bench.harness import Options
     from hpctrain.bench.colls import COLLS
+    from hpctrain.bench.harness import Options
 
     opts = Options(colls=list(COLLS) if names == ["all"] else names,
                    sizes=sweep.size_sweep(sweep.parse_size(minbytes), sweep.parse_size(maxbytes), stepfactor,

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 
 def _check(ok: bool, msg: str) -> None:

@@ -90,7 +90,7 @@ def check_cluster(cfg: Config) -> None:
     parts = partitions()
     name = cfg.job.partition or next((n for n, p in parts.items() if p["default"]), "")
     if name not in parts:
-        what = f"job.partition = {cfg.job.partition!r}" if cfg.job.partition else "no default partition and job.partition"
+        what = f"job.partition = {cfg.job.partition!r}" if cfg.job.partition else "a default partition"
         raise ValueError(f"{what} does not exist on this cluster; available: {', '.join(sorted(parts)) or '(none)'}")
     part = parts[name]
     if cfg.job.nodes > part["nodes"]:

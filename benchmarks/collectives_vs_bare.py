@@ -1,0 +1,120 @@
+"""hpctrain bench's harness vs a bare torch.distributed timing loop, same process group, same sizes.
+
+    mpiexec -n 4 python benchmarks/collectives_vs_bare.py [--sizes 1M,4M,16M] [--rounds 5]
+
+For each collective and size the two loops alternate (bare, ours, bare, ours, ...) so drift on this shared
+machine hits both alike; each side's best round (the least disturbed by other load) gives its bus bandwidth,
+and the median round is printed beside it. Target: ours >= 0.97 of bare at >= 1 MiB. Rank 0 prints the
+table and writes benchmarks/results/collectives-<n>ranks.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpctrain import session
+from hpctrain.bench import colls, harness, sweep
+from hpctrain.config import load_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# (collective, placement) pairs torch offers, and the bare call each one makes
+CASES = {
+    "all_reduce": ("in", lambda s, r, g: dist.all_reduce(r, group=g)),
+    "all_gather": ("out", lambda s, r, g: colls._all_gather(r, s, group=g)),
+    "reduce_scatter": ("out", lambda s, r, g: colls._reduce_scatter(r, s, group=g)),
+    "alltoall": ("out", lambda s, r, g: dist.all_to_all_single(r, s, group=g)),
+    "broadcast": ("in", lambda s, r, g: dist.broadcast(r, src=0, group=g)),
+}
+
+
+def bare_loop(fn, send, recv, group, iters: int, warmup: int) -> float:
+    """The loop a user would write: warm up, barrier, time n calls, slowest rank's time per call."""
+    for _ in range(warmup):
+        fn(send, recv, group)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(send, recv, group)
+    t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1M,4M,16M")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
+    args = ap.parse_args()
+    sizes = [sweep.parse_size(s) for s in args.sizes.split(",")]
+    cfg = load_config(None, ["job.name=bench-vs-bare", f"job.run_root={args.run_root}"])
+    with session.start(cfg) as s:
+        n = dist.get_world_size()
+        rank = dist.get_rank()
+        group = dist.group.WORLD
+        ctx = colls.Ctx(idx=rank, members=list(range(n)), group=group)
+        world_max = lambda x: _max(x)  # noqa: E731
+        rows = []
+        for name, (placement, fn) in CASES.items():
+            coll = colls.COLLS[name]
+            opts = harness.Options(colls=[name], sizes=sizes, iters=args.iters, warmup=args.warmup, check=False,
+                                   placements=(placement,))
+            pctx = harness.replace(ctx, inplace=placement == "in")
+            for size in sizes:
+                T = size // 4 // coll.align(n) * coll.align(n)
+                inputs = harness._Inputs(opts, torch.float32)
+                send, recv = harness._buffers(coll, pctx, T, torch.float32, s.device, "torch")
+                bare, ours = [], []
+                for _ in range(args.rounds):
+                    bare.append(bare_loop(fn, send, recv, group, args.iters, args.warmup))
+                    res = harness.run_placement(coll, pctx, T, opts, s.device, inputs, world_max, lambda x: x,
+                                                dist.barrier)
+                    ours.append(res["time_us"] / 1e6)
+                bw = {k: sweep.bandwidths(T * 4, f(v), name, n)[1]
+                      for k, f, v in (("bare", min, bare), ("ours", min, ours),
+                                      ("bare_med", statistics.median, bare), ("ours_med", statistics.median, ours))}
+                rows.append({"coll": name, "placement": placement, "size": T * 4, "nranks": n,
+                             "bare_busbw": bw["bare"], "ours_busbw": bw["ours"], "ratio": bw["ours"] / bw["bare"],
+                             "median_ratio": bw["ours_med"] / bw["bare_med"], "bare_times_s": bare,
+                             "ours_times_s": ours})
+        if rank == 0:
+            report(rows, n)
+
+
+def _max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def report(rows: list[dict], n: int) -> None:
+    print(f"# hpctrain bench harness vs bare torch.distributed loop, {n} ranks, gloo, float32, "
+          f"best of alternating rounds (GB/s)")
+    print(f"# {'collective':<15} {'place':<5} {'size (B)':>10} {'bare busbw':>11} {'ours busbw':>11} {'ratio':>7} "
+          f"{'median ratio':>12}")
+    for r in rows:
+        print(f"  {r['coll']:<15} {r['placement']:<5} {r['size']:>10} {r['bare_busbw']:>11.3f} "
+              f"{r['ours_busbw']:>11.3f} {r['ratio']:>7.3f} {r['median_ratio']:>12.3f}")
+    big = [r["ratio"] for r in rows if r["size"] >= 1 << 20]
+    worst = min(big) if big else float("nan")
+    verdict = "MET" if worst >= 0.97 else "NOT MET"
+    print(f"# sizes >= 1 MiB: min ratio {worst:.3f}, median {statistics.median(big):.3f} "
+          f"(target >= 0.97: {verdict})")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"collectives-{n}ranks.json"
+    out.write_text(json.dumps({"nranks": n, "min_ratio_ge_1MiB": worst, "target": 0.97, "verdict": verdict,
+                               "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                               "rows": rows}, indent=1) + "\n")
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

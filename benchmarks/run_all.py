@@ -1,0 +1,71 @@
+"""`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks.
+
+    python benchmarks/run_all.py [--only table,collectives] [--ranks 4]
+
+Each step is a separate launch under mpiexec (the venv's, from the mpich wheel, or the site's); outputs go to
+benchmarks/results/. Exits non-zero if a step fails (a wrong collective result included).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+EXAMPLE = REPO / "slurm" / "examples" / "tiny-cpu.toml"
+
+
+def mpiexec(n: int, *cmd: str) -> list[str]:
+    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
+    return [exe, "-n", str(n), *cmd]
+
+
+def hpctrain(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hpctrain.cli", *args]
+
+
+def steps(ranks: int) -> dict[str, list[list[str]]]:
+    run_root = "/tmp/hpctrain-bench-runs"
+    return {
+        "table": [mpiexec(ranks, *hpctrain(
+            "bench", "all", "-b", "1K", "-e", "16M", "-f", "4", "-n", "10", "-w", "2", "-c", "1",
+            "--config", str(EXAMPLE), "--set", f"job.run_root={run_root}",
+            "-J", str(RESULTS / f"bench-{ranks}ranks.jsonl"), "--plot", str(RESULTS / f"busbw-{ranks}ranks.png")))],
+        "collectives": [mpiexec(n, sys.executable, str(HERE / "collectives_vs_bare.py")) for n in (2, 4)],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma list of steps")
+    ap.add_argument("--ranks", type=int, default=4)
+    args = ap.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    plan = steps(args.ranks)
+    chosen = args.only.split(",") if args.only else list(plan)
+    unknown = [c for c in chosen if c not in plan]
+    if unknown:
+        sys.exit(f"unknown step(s) {unknown}; valid: {', '.join(plan)}")
+    failed = []
+    for name in chosen:
+        for cmd in plan[name]:
+            print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+            t0 = time.time()
+            rc = subprocess.call(cmd, cwd=REPO)
+            print(f"=== {name}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
+            if rc:
+                failed.append(name)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+    print(f"\nresults in {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
