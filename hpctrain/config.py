@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -272,7 +273,7 @@ def _toml_value(value: object) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(value)  # JSON escapes (newline, quote, \uXXXX) are valid in TOML basic strings
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise AssertionError(f"cannot write {value!r} as TOML")

@@ -112,10 +112,17 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
     }
     optional = {"partition": j.partition, "account": j.account, "qos": j.qos, "constraint": j.constraint,
                 "gpus_per_node": j.gpus_per_node or None, "exclusive": j.exclusive or None,
-                "mem": f"{j.mem_gb:g}GB" if j.mem_gb else None,
+                "mem": _sbatch_mem(j.mem_gb),
                 "additional_parameters": j.sbatch_extra_dict() or None}
     params.update({k: v for k, v in optional.items() if v})
     return params
+
+
+def _sbatch_mem(mem_gb: float) -> str | None:
+    """sbatch takes whole units only: 64 -> '64GB', 1.5 -> '1536MB'; 0 -> None (site default)."""
+    if not mem_gb:
+        return None
+    return f"{int(mem_gb)}GB" if mem_gb == int(mem_gb) else f"{round(mem_gb * 1024)}MB"
 
 
 def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) -> str:

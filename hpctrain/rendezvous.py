@@ -25,11 +25,13 @@ log = logging.getLogger(__name__)
 
 # Variables whose presence says which launcher started this process, in order of precedence. torchrun comes
 # before Slurm because `srun torchrun` workers see both; MPI first because `srun --mpi=pmi2` tasks do too.
+# A launcher is recognised when every variable of one of its marker sets is present. A stray MASTER_PORT in a
+# job script is not enough for torchrun: it takes TORCHELASTIC_RUN_ID or the full env:// set.
 LAUNCHER_MARKERS = {
-    "mpi": ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"),
-    "torchrun": ("TORCHELASTIC_RUN_ID", "MASTER_PORT"),
-    "submitit": ("SUBMITIT_LOCAL_JOB_ID",),
-    "slurm": ("SLURM_PROCID",),
+    "mpi": [("PMI_RANK",), ("PMIX_RANK",), ("OMPI_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_RANK",)],
+    "torchrun": [("TORCHELASTIC_RUN_ID",), ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")],
+    "submitit": [("SUBMITIT_LOCAL_JOB_ID",)],
+    "slurm": [("SLURM_PROCID",)],
 }
 
 # Identity fields -> environment variable, per launcher (like submitit's JobEnvironment._env).
@@ -62,8 +64,8 @@ def node_name() -> str:
 
 
 def detect_launcher(env: dict[str, str] | os._Environ = os.environ) -> str:
-    for launcher, markers in LAUNCHER_MARKERS.items():
-        if any(m in env for m in markers):
+    for launcher, marker_sets in LAUNCHER_MARKERS.items():
+        if any(all(m in env for m in markers) for markers in marker_sets):
             return launcher
     return "single"
 
@@ -82,7 +84,13 @@ def identity_from_env(launcher: str, env: dict[str, str] | os._Environ = os.envi
     missing = [v for k, v in table.items() if k not in optional and v not in env]
     if missing:
         raise ValueError(f"launcher {launcher!r} detected but {', '.join(missing)} not set")
-    val = {k: int(env[v]) for k, v in table.items() if k != "job_id" and v in env}
+    val = {}
+    for k, v in table.items():
+        if k != "job_id" and v in env:
+            try:
+                val[k] = int(env[v])
+            except ValueError:
+                raise ValueError(f"{v} = {env[v]!r} is not an integer (launcher {launcher!r})") from None
     if launcher == "torchrun":  # torchrun gives ranks per node, not the node count
         val["num_nodes"] = val["world_size"] // val.pop("local_world_size")
         val.setdefault("node_index", val["rank"] // (val["world_size"] // val["num_nodes"]))

@@ -119,3 +119,18 @@ def test_identity_from_alternating_node_names():
     names = ["a", "b", "a", "b"]
     idents = [identity_from_node_names(r, names, "mpi", "j") for r in range(4)]
     assert [(i.node_index, i.local_rank) for i in idents] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_stray_master_port_is_not_torchrun():
+    # job scripts often export MASTER_PORT: without torchrun's own variables the real launcher still wins
+    assert detect_launcher({"SLURM_PROCID": "0", "MASTER_PORT": "29500"}) == "slurm"
+    assert detect_launcher({"SUBMITIT_LOCAL_JOB_ID": "1", "MASTER_PORT": "29500"}) == "submitit"
+    full = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert detect_launcher(full) == "torchrun"
+
+
+def test_non_numeric_variable_is_named():
+    env = {"SLURM_PROCID": "zero", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_NNODES": "1"}
+    with pytest.raises(ValueError, match="SLURM_PROCID = 'zero' is not an integer"):
+        identity_from_env("slurm", env)

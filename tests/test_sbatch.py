@@ -144,3 +144,8 @@ def test_missing_config_file_exits_2(tmp_path):
     res = invoke("submit", tmp_path / "absent.toml", "--dry-run")
     assert res.exit_code == 2
     assert "absent.toml" in res.output
+
+
+def test_fractional_memory_becomes_whole_megabytes():
+    # sbatch refuses --mem=1.5GB: whole units only
+    assert launch.slurm_parameters(load_config(TINY, ["job.mem_gb=1.5"]))["mem"] == "1536MB"
