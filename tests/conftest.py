@@ -38,6 +38,15 @@ def hpctrain(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProc
                           timeout=timeout, env=env_with_venv(), stdin=subprocess.DEVNULL, cwd=REPO, **kw)
 
 
+def run_mpiexec(mpiexec: str, *parts: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    """mpiexec with MPMD parts joined by ':' (each part may set its own -env)."""
+    cmd = [mpiexec]
+    for i, part in enumerate(parts):
+        cmd += ([":"] if i else []) + part
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_with_venv(), cwd=REPO,
+                          stdin=subprocess.DEVNULL)
+
+
 def only_run_dir(root: Path) -> Path:
     dirs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert len(dirs) == 1, f"expected one run directory under {root}, found {dirs}"

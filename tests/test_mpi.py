@@ -5,22 +5,13 @@ MPI (allgather of node names) exactly as under `srun --mpi=pmi2` on two Slurm no
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from conftest import EXAMPLE, REPO, env_with_venv, read_summary
+from conftest import EXAMPLE, read_summary, run_mpiexec
 
 pytestmark = pytest.mark.mpi
-
-
-def _mpiexec(mpiexec: str, *parts: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [mpiexec]
-    for i, part in enumerate(parts):
-        cmd += ([":"] if i else []) + part
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_with_venv(), cwd=REPO,
-                          stdin=subprocess.DEVNULL)
 
 
 def _train(root, *sets: str) -> list[str]:
@@ -32,7 +23,7 @@ def _train(root, *sets: str) -> list[str]:
 
 def test_mpiexec_two_named_nodes(mpiexec, tmp_path) -> None:
     root = tmp_path / "two"
-    out = _mpiexec(mpiexec, ["-n", "2", "-env", "SLURMD_NODENAME", "nodeA"] + _train(root),
+    out = run_mpiexec(mpiexec, ["-n", "2", "-env", "SLURMD_NODENAME", "nodeA"] + _train(root),
                    ["-n", "2", "-env", "SLURMD_NODENAME", "nodeB"] + _train(root))
     assert out.returncode == 0, out.stdout + out.stderr
     s = read_summary(root)
@@ -46,12 +37,12 @@ def test_mpiexec_two_named_nodes(mpiexec, tmp_path) -> None:
 
 
 def test_mpiexec_one_node_and_refusal(mpiexec, tmp_path) -> None:
-    out = _mpiexec(mpiexec, ["-n", "4"] + _train(tmp_path / "pp", "parallel.pp=2", "parallel.tp=2"))
+    out = run_mpiexec(mpiexec, ["-n", "4"] + _train(tmp_path / "pp", "parallel.pp=2", "parallel.tp=2"))
     assert out.returncode == 0, out.stdout + out.stderr
     s = read_summary(tmp_path / "pp")
     assert s["ok"] and s["num_nodes"] == 1 and s["checks"]["groups"]["pp"] == [[0, 2], [1, 3]]
 
     # tp=3 cannot tile 4 ranks: every rank stops with the numbers in the message, none hangs.
-    bad = _mpiexec(mpiexec, ["-n", "4"] + _train(tmp_path / "bad", "parallel.tp=3"), timeout=120)
+    bad = run_mpiexec(mpiexec, ["-n", "4"] + _train(tmp_path / "bad", "parallel.tp=3"), timeout=120)
     assert bad.returncode != 0
     assert "world size 4 is not divisible by pp(1) * tp(3)" in bad.stdout + bad.stderr
