@@ -70,7 +70,7 @@ def main() -> None:
             pctx = harness.replace(ctx, inplace=placement == "in")
             for size in sizes:
                 T = size // 4 // coll.align(n) * coll.align(n)
-                inputs = harness._Inputs(opts, torch.float32)
+                inputs = harness._Inputs(opts, torch.float32, n)
                 send, recv = harness._buffers(coll, pctx, T, torch.float32, s.device, "torch")
                 bare, ours = [], []
                 for _ in range(args.rounds):

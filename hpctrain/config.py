@@ -92,9 +92,13 @@ class ParallelConfig:
     timeout_s: int = 600  # collective and rendezvous timeout
     rendezvous: str = "auto"  # auto | mpi | slurm | submitit | torchrun | single
     master_addr: str = ""  # address rank 0 publishes; empty: 127.0.0.1 on one host, else its host name
+    zero_stage: int = 0  # 0 DDP, 1 + optimizer state sharded, 2 + gradients (FSDP2), 3 + parameters (FSDP2)
+    sequence_parallel: bool = False  # shard norms and residuals along the sequence inside the tp group
+    loss_parallel: bool = True  # keep logits vocab-sharded into the cross-entropy (tp > 1)
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "pp", "tp", "timeout_s")
+        _check(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
         _check(self.dp == -1 or self.dp >= 1, f"parallel.dp = {self.dp} must be >= 1, or -1 for auto")
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
         _one_of("parallel", "rendezvous", self.rendezvous,
@@ -128,17 +132,41 @@ class TrainConfig:
     """[train]: the optimisation loop."""
     steps: int = 100
     micro_batch_size: int = 8  # sequences per rank per micro-step
+    global_batch_size: int = 0  # if set: sequences per optimizer step; micro_batch_size = it / (dp * grad_accum)
     grad_accum: int = 1
     lr: float = 3e-4
+    scale_lr_with_batch: int = 0  # if set: lr is for this global batch and scales linearly with the real one
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # not applied to norms, biases or other 1-D parameters
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # on the global norm across all shards; 0 disables
     seed: int = 0
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; master weights and optimizer stay fp32)
+    reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16
+    loss_scale: float = 65536.0  # initial dynamic loss scale for fp16
+    ac: str = "none"  # activation checkpointing: none | full | every
+    ac_every: int = 2  # with ac = "every": checkpoint blocks 0, k, 2k, ...
     log_every: int = 10
+    profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
+    peak_tflops: float = 0.0  # per-rank peak for MFU; 0: measure with the GEMM probe at start
 
     def __post_init__(self) -> None:
-        _positive("train", self, "micro_batch_size", "grad_accum", "log_every")
-        _positive("train", self, "steps", allow_zero=True)
+        _positive("train", self, "micro_batch_size", "grad_accum", "log_every", "ac_every")
+        _positive("train", self, "steps", "global_batch_size", "warmup_steps", "scale_lr_with_batch",
+                  "weight_decay", "grad_clip", "peak_tflops", allow_zero=True)
         _check(self.lr > 0, f"train.lr = {self.lr} must be > 0")
+        _check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio = {self.min_lr_ratio} must be within [0, 1]")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+               f"train.beta1 = {self.beta1}, train.beta2 = {self.beta2} must be within [0, 1)")
+        _check(self.loss_scale > 0, f"train.loss_scale = {self.loss_scale} must be > 0")
         _one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        _one_of("train", "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        _one_of("train", "ac", self.ac, ("none", "full", "every"))
+        _check(len(self.profile_steps) in (0, 2) and (not self.profile_steps or
+                                                      0 <= self.profile_steps[0] <= self.profile_steps[1]),
+               f"train.profile_steps = {self.profile_steps} must be [] or [first, last] with first <= last")
 
 
 @dataclass

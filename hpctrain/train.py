@@ -1,5 +1,5 @@
-"""What every rank runs: the session (rendezvous, topology-checked mesh, checked all-reduce on every group),
-then the job's payload. Launch it any way you like:
+"""The trainer: the only module that wires session, model, parallelism, data, optimizer and metrics. Launch it
+any way you like:
 
     hpctrain train CONFIG                      # one process
     mpiexec -n 4 hpctrain train CONFIG         # MPI gives identity
@@ -7,20 +7,168 @@ then the job's payload. Launch it any way you like:
     torchrun --nproc-per-node 4 -m hpctrain.cli train CONFIG
     hpctrain submit CONFIG                     # through submitit (passes --run-dir)
 
-Rank 0 writes summary.json into the run directory; a failed check makes every rank exit non-zero.
+Rank 0 writes metrics.jsonl and summary.json into the run directory.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from hpctrain import session
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpctrain import data, metrics, optim, parallelize, session
 from hpctrain.config import Config, load_config
+
+log = logging.getLogger(__name__)
+
+
+def batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
+    """(micro_batch_size, global_batch_size); a global batch that does not split evenly is refused."""
+    t = cfg.train
+    if t.global_batch_size:
+        if t.global_batch_size % (dp * t.grad_accum):
+            raise ValueError(f"train.global_batch_size = {t.global_batch_size} is not divisible by dp({dp}) x "
+                             f"train.grad_accum({t.grad_accum}) = {dp * t.grad_accum}")
+        return t.global_batch_size // (dp * t.grad_accum), t.global_batch_size
+    return t.micro_batch_size, t.micro_batch_size * t.grad_accum * dp
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} has no bf16; "
+                         f"use fp16 (with loss scaling) or fp32")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, s: session.Session) -> None:
+        self.cfg, self.s, self.device = cfg, s, s.device
+        check_precision(cfg.train.precision, self.device)
+        layout = s.mesh.layout
+        self.dp_rank = s.mesh.layout.coords(s.rank)["dp"]
+        self.micro_batch, self.global_batch = batch_plan(cfg, layout.dp)
+        torch.manual_seed(cfg.train.seed)
+        self.pm = parallelize.build(cfg, s.mesh, self.device)
+        self.model = self.pm.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.lr = optim.effective_lr(cfg.train, self.global_batch)
+        zero_group = s.mesh.group("dp") if self.pm.zero_stage == 1 else None
+        self.optimizer = optim.build_optimizer(self.model, cfg.train, self.lr, zero_group)
+        self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
+        self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
+        source = data.open_source(cfg.data, self.pm.dims.true_vocab_size)
+        self.loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, self.dp_rank, layout.dp,
+                                       cfg.train.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.dp_group = s.mesh.group("dp")
+        self.flops_per_token = self.pm.dims.flops_per_token(cfg.data.seq_len)
+        log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
+                 "(micro %d x accum %d x dp %d), lr %.3g", self.pm.dims.num_params() / 1e6,
+                 self.pm.dims.true_vocab_size, self.pm.dims.vocab_size, cfg.parallel.zero_stage,
+                 cfg.train.precision, cfg.train.ac, self.global_batch, self.micro_batch, cfg.train.grad_accum,
+                 layout.dp, self.lr)
+
+    def _autocast(self):
+        dt = self.pm.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
+
+    def _loss_ctx(self):
+        if self.pm.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()  # backward of the sharded cross-entropy must run inside it too
+        return contextlib.nullcontext()
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over grad_accum micro-batches; returns this step's metrics (dp-averaged loss)."""
+        accum = self.cfg.train.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(accum):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
+            # gradients are reduced across dp only after the last micro-batch (nanoGPT's no_sync trick)
+            with self.pm.sync(k == accum - 1), self._loss_ctx():
+                with self._autocast():
+                    logits = self.model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
+                self.scaler.scale_loss(loss).backward()
+            loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+        finite = self.scaler.unscale_and_check(self.params, self.device)
+        norm = optim.clip_grad_norm(self.params, self.cfg.train.grad_clip) if finite else torch.tensor(float("inf"))
+        # torchtitan's rule: never let a non-finite gradient reach the weights
+        skipped = not (finite and torch.isfinite(norm))
+        if not skipped:
+            self.optimizer.step()
+        self.scaler.update(not skipped)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        self.tokens_seen += self.global_batch * self.cfg.data.seq_len
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        return {"step": self.step, "loss": loss_sum.item() / self.s.mesh.layout.dp, "grad_norm": norm.item(),
+                "lr": lr, "skipped": skipped, "loss_scale": self.scaler.scale}
+
+    def fit(self) -> dict[str, Any]:
+        t = self.cfg.train
+        rank0 = self.s.rank == 0
+        mlog = metrics.MetricsLog(self.s.run_dir, rank0, t.steps)
+        world = dist.get_world_size()
+        peak = t.peak_tflops or metrics.measured_peak_tflops(self.device, parallelize.DTYPES[t.precision])
+        profiler = self._profiler()
+        last: dict[str, Any] = {}
+        losses = []
+        tick, tokens_at_tick = time.time(), self.tokens_seen
+        while self.step < t.steps:
+            row = self.train_step()
+            losses.append(row["loss"])
+            if profiler is not None:
+                profiler.step()
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                dt = time.time() - tick
+                tps = (self.tokens_seen - tokens_at_tick) / dt
+                tflops = tps * self.flops_per_token / world / 1e12
+                row.update(tokens_per_s=tps, tflops_per_rank=tflops, mfu=tflops / peak if peak else 0.0,
+                           peak_mem_gb=metrics.peak_memory_bytes(self.device) / 1e9, tokens_seen=self.tokens_seen,
+                           time_s=time.time() - mlog.t0)
+                mlog.log(row)
+                if rank0:
+                    log.info("%s", mlog.progress(row))
+                tick, tokens_at_tick = time.time(), self.tokens_seen
+                last = row
+        if profiler is not None:
+            profiler.stop()
+        mlog.close()
+        return {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
+                "peak_tflops": peak, "tokens_seen": self.tokens_seen}
+
+    def _profiler(self):
+        steps = self.cfg.train.profile_steps
+        if not steps:
+            return None
+        first, last = steps
+        out = self.s.run_dir / "profile"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=max(0, first - 1), warmup=1 if first else 0,
+                                             active=last - first + 1, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out), worker_name=f"rank{self.s.rank}"))
+        prof.start()
+        return prof
 
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:
     with session.start(cfg, run_dir) as s:
-        pass  # the skeleton's payload is the session's own group check
+        if cfg.train.steps:
+            s.summary["train"] = Trainer(cfg, s).fit()
     return s.summary
 
 

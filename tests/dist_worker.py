@@ -17,7 +17,7 @@ def main(out: str, example: str, base_port: int, cases_json: str) -> None:
     record = {}
     for i, (name, overrides) in enumerate(json.loads(cases_json)):
         os.environ["MASTER_PORT"] = str(base_port + i)
-        cfg = load_config(example, overrides + [f"job.run_root={out}/{name}"])
+        cfg = load_config(example, overrides + [f"job.run_root={out}/{name}", "train.steps=0"])
         try:
             summary = train.run(cfg)
             record[name] = {"ok": summary["ok"]}

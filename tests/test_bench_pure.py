@@ -107,6 +107,11 @@ def test_size_sweep_refuses(args, fragments):
         assert fragment in str(info.value)
 
 
+def test_size_sweep_refuses_negative_step():
+    with pytest.raises(ValueError, match="-i -8"):
+        size_sweep(8, 32, step=-8)
+
+
 # --- table and JSON ---------------------------------------------------------------------------------------
 
 def _res(time_us, algbw, busbw, wrong):
@@ -305,3 +310,21 @@ def test_count_wrong_avg_tolerance():
     # the tolerance follows the element type: half rounding passes in half, fails if judged as float
     assert count_wrong(want.half(), want, "avg") == 0
     assert count_wrong(want.half().float(), want, "avg") > 0
+
+
+
+
+@pytest.mark.parametrize("dtype, op, nranks", [
+    ("float", "sum", 1024), ("half", "sum", 512), ("bfloat16", "sum", 64), ("int8", "sum", 32), ("int8", "prod", 6),
+    ("half", "prod", 16), ("bfloat16", "prod", 64),
+    ("int8", "prod", 8),  # one 8-GPU node
+    ("uint8", "prod", 8),
+    ("half", "prod", 32),
+    ("int8", "sum", 128),
+    ("bfloat16", "sum", 256),  # 32 x 8 GPUs
+])
+def test_reference_is_exact_in_the_element_type(dtype, op, nranks):
+    """The check compares against a float64 reference, so the reference must be representable in the element type
+    (partial results of sum and prod of these non-negative inputs are no larger than the final one)."""
+    ref = reduce_inputs([make_data(r, 4096, DTYPES[dtype], op, 0, nranks) for r in range(nranks)], op)
+    assert torch.equal(ref.to(DTYPES[dtype]).double(), ref), f"max {ref.max().item()}"

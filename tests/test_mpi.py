@@ -15,7 +15,8 @@ pytestmark = pytest.mark.mpi
 
 
 def _train(root, *sets: str) -> list[str]:
-    args = [sys.executable, "-m", "hpctrain.cli", "train", str(EXAMPLE), "--set", f"job.run_root={root}"]
+    args = [sys.executable, "-m", "hpctrain.cli", "train", str(EXAMPLE), "--set", f"job.run_root={root}",
+            "--set", "train.steps=0"]
     for s in sets:
         args += ["--set", s]
     return args

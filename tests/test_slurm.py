@@ -21,7 +21,8 @@ def _queue_size() -> int:
 
 
 def test_submit_two_nodes_rank_map(slurm_cluster, tmp_path) -> None:
-    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", timeout=300)
+    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", "--set", "train.steps=0",
+                   timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "executor: slurm" in out.stdout
     s = read_summary(tmp_path)

@@ -7,7 +7,7 @@ from conftest import EXAMPLE, hpctrain, only_run_dir, read_summary
 
 
 def test_local_executor_completes(tmp_path) -> None:
-    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", "job.executor=local",
+    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", "job.executor=local", "--set", "train.steps=0",
                    "--set", f"job.run_root={tmp_path}", timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "executor: local" in out.stdout and "run as 4 processes on this host" in out.stdout

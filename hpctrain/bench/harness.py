@@ -57,6 +57,8 @@ class Options:
             raise ValueError(f"--group {self.group}: valid groups are {', '.join(GROUPS)}")
         if self.backend not in ("torch", "mpi"):
             raise ValueError(f"--backend {self.backend}: valid backends are torch and mpi")
+        if self.backend == "mpi" and self.op == "avg":
+            raise ValueError("-o avg: MPI has no averaging reduction (use sum, prod, min or max)")
         if self.backend == "mpi" and self.dtype not in MPI_DTYPES:
             raise ValueError(f"--backend mpi works on host buffers of {', '.join(MPI_DTYPES)}, not -d {self.dtype}")
         if self.algo not in ("flat", "hier"):
@@ -71,10 +73,33 @@ class Options:
             raise ValueError(f"-r {self.root}: the root must be >= 0")
 
 
-def make_data(rank: int, numel: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
-    """Seeded small integers, exact in every type: {1, 2} for prod (products stay powers of two), else 0..3."""
+# Largest integer each type holds exactly (for ints one below the maximum, which serves as the sentinel).
+_EXACT = {torch.float32: 2**24, torch.float64: 2**53, torch.float16: 2**11, torch.bfloat16: 2**8}
+
+
+def exact_limit(dtype: torch.dtype) -> int:
+    return _EXACT[dtype] if dtype.is_floating_point else torch.iinfo(dtype).max - 1
+
+
+def data_range(dtype: torch.dtype, op: str, nranks: int) -> tuple[int, int]:
+    """[lo, hi) of the inputs, so the reduced result of nranks inputs stays exact in dtype."""
+    limit = exact_limit(dtype)
+    if op == "prod":  # {1, 2}: products are powers of two, exact while 2**nranks fits; else all ones
+        return (1, 3) if 2**nranks <= limit else (1, 2)
+    if op in ("sum", "avg"):
+        return 0, min(4, limit // nranks + 1)
+    return 0, 4
+
+
+def sentinel(dtype: torch.dtype) -> int:
+    """A value no input or result takes: results are >= 0, and ints stay below their maximum."""
+    return torch.iinfo(dtype).max if not dtype.is_floating_point and not dtype.is_signed else -1
+
+
+def make_data(rank: int, numel: int, dtype: torch.dtype, op: str, seed: int, nranks: int = 1) -> torch.Tensor:
+    """Seeded small integers, exact in dtype for a reduction over nranks (see data_range)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-    lo, hi = (1, 3) if op == "prod" else (0, 4)
+    lo, hi = data_range(dtype, op, nranks)
     return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
 
 
@@ -95,13 +120,13 @@ def _sync(device: torch.device) -> None:
 class _Inputs:
     """Every member's input for one size, generated once (the expected results need them all)."""
 
-    def __init__(self, opts: Options, dtype: torch.dtype) -> None:
-        self.opts, self.dtype, self.cache = opts, dtype, {}
+    def __init__(self, opts: Options, dtype: torch.dtype, nranks: int) -> None:
+        self.opts, self.dtype, self.nranks, self.cache = opts, dtype, nranks, {}
 
     def __call__(self, rank: int, numel: int) -> torch.Tensor:
         key = (rank, numel)
         if key not in self.cache:
-            self.cache[key] = make_data(rank, numel, self.dtype, self.opts.op, self.opts.seed)
+            self.cache[key] = make_data(rank, numel, self.dtype, self.opts.op, self.opts.seed, self.nranks)
         return self.cache[key]
 
 
@@ -131,14 +156,14 @@ def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _
     elapsed = world_max((time.perf_counter() - t0) / opts.iters)  # the slowest rank's time
     wrong = None
     if opts.check:
-        recv.fill_(99)  # a value no input or result here takes, so an untouched element counts as wrong
+        recv.fill_(sentinel(dtype))  # so an element the collective never wrote counts as wrong
         send.copy_(inputs(ctx.members[ctx.idx], send.numel()))
         run(send, recv, ctx)
         _sync(device)
         want = coll.expected(inputs, ctx, T)
         mine = 0
         if want is not None:
-            if opts.inject_wrong and ctx.idx == ctx.n - 1:
+            if opts.inject_wrong and ctx.idx == ctx.root:  # the root checks every collective, reduce too
                 recv.view(-1)[0] += 1
             mine = count_wrong(recv, want, opts.op)
         wrong = world_sum(mine)
@@ -163,7 +188,7 @@ def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_max: Call
             T = (size // elem) // align * align
             if T == 0:
                 continue
-            inputs = _Inputs(opts, dtype)
+            inputs = _Inputs(opts, dtype, ctx.n)
             res = {}
             for placement in ("out", "in"):
                 if placement in coll.placements[opts.backend] and placement in opts.placements:
@@ -178,6 +203,9 @@ def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_max: Call
             row.out, row.inp = res.get("out"), res.get("in")
             rows.append(row)
             emit(row)
+    if not rows:
+        raise ValueError(f"no size in the sweep ({opts.sizes[0]} to {opts.sizes[-1]} bytes) holds a whole "
+                         f"element group of {opts.dtype} for {', '.join(opts.colls)} on {ctx.n} ranks")
     return rows
 
 

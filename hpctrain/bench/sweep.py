@@ -37,6 +37,8 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int = 2, step: int = 0) -
     """min, min*factor, ... up to max (or min, min+step, ... when step is given)."""
     if min_bytes <= 0 or max_bytes < min_bytes:
         raise ValueError(f"size sweep -b {min_bytes} -e {max_bytes}: need 0 < min <= max")
+    if step < 0:
+        raise ValueError(f"-i {step}: the step must be positive")
     if step:
         return list(range(min_bytes, max_bytes + 1, step))
     if factor < 2:

@@ -1,0 +1,373 @@
+"""Tokens for training: a byte tokenizer, dataset files, random-access token sources and a resumable loader.
+
+    python -m hpctrain.data data/corpus.bin              # the bundled corpus: this project's own text files
+    python -m hpctrain.data data/notes.h5 notes/ a.txt   # any text files or directories
+
+    source = open_source(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
+    loader = TokenLoader(source, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank, dp_size, cfg.train.seed)
+    x, y = loader.next_batch()  # (micro_batch_size, seq_len) int64 each, y = x shifted by one
+
+The loader's position is global (samples consumed by all dp ranks together), so a checkpoint taken with one dp
+size resumes exactly with another. This module knows nothing of torch.distributed: ranks come in as ints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import h5py
+import numpy as np
+import torch
+
+from hpctrain.config import DataConfig
+
+# --- tokenizer --------------------------------------------------------------------------------------------
+
+VOCAB_SIZE = 256
+EOS = 0  # NUL: never part of text (files holding it are taken for binary and skipped)
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(ids: Iterable[int]) -> str:
+    # A window of a token stream can cut a multi-byte character: show U+FFFD rather than fail.
+    return bytes(list(map(int, ids))).decode("utf-8", errors="replace")
+
+
+# --- building dataset files -------------------------------------------------------------------------------
+
+TEXT_SUFFIXES = (".py", ".md", ".toml", ".txt", ".sh", ".cfg")
+OUT_SUFFIXES = (".bin", ".npy", ".h5", ".hdf5")
+_SKIP_DIRS = ("__pycache__",)  # plus every hidden directory (.git, .venv)
+
+
+def project_corpus_inputs() -> list[Path]:
+    """The bundled training corpus: the hpctrain package and, beside it, README.md, Makefile and slurm/."""
+    package = Path(__file__).resolve().parent
+    beside = [package.parent / name for name in ("README.md", "Makefile", "slurm")]
+    return [package] + [p for p in beside if p.exists()]
+
+
+def _walk(directory: Path) -> list[Path]:
+    found = []
+    for path in directory.rglob("*"):
+        parts = path.relative_to(directory).parts
+        if any(p.startswith(".") or p in _SKIP_DIRS for p in parts[:-1]):
+            continue
+        if path.suffix in TEXT_SUFFIXES and path.is_file():
+            found.append(path)
+    return sorted(found)  # rglob order depends on the file system
+
+
+def _input_files(inputs: list[Path]) -> list[Path]:
+    files: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            files.extend(_walk(item))
+        elif item.is_file():
+            files.append(item)  # named explicitly: taken whatever its suffix (Makefile)
+        else:
+            raise ValueError(f"dataset input {str(item)!r} does not exist")
+    unique = list(dict.fromkeys(f.resolve() for f in files))  # a file named twice counts once
+    if not unique:
+        raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) found in {[str(p) for p in inputs]}")
+    return unique
+
+
+def _read_text(path: Path) -> bytes | None:
+    """The file's UTF-8 bytes, or None when it is unreadable or not text."""
+    try:
+        raw = path.read_bytes()
+        raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None if b"\x00" in raw else raw
+
+
+def _write_tokens(tokens: np.ndarray, out: Path) -> None:
+    """Writes to a temporary name first so a reader never sees half a file."""
+    tmp = out.with_name(out.name + ".tmp")
+    meta = {"dtype": "uint16", "byteorder": "little", "num_tokens": int(tokens.size),
+            "vocab_size": VOCAB_SIZE, "tokenizer": "bytes"}
+    if out.suffix == ".bin":
+        tmp.write_bytes(tokens.astype("<u2").tobytes())
+    elif out.suffix == ".npy":
+        with open(tmp, "wb") as f:  # np.save on a path would append ".npy" to the temporary name
+            np.save(f, tokens.astype("<u2"))
+    else:
+        with h5py.File(tmp, "w") as f:
+            dset = f.create_dataset("tokens", data=tokens.astype("<u2"), chunks=(min(tokens.size, 1 << 16),))
+            for key in ("vocab_size", "tokenizer", "num_tokens"):
+                dset.attrs[key] = meta[key]
+    if out.suffix in (".bin", ".npy"):  # HDF5 keeps the same record in attributes
+        Path(str(out) + ".json").write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
+def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
+    """Tokenizes text files (directories are walked) into one token file, documents joined by EOS.
+
+    The suffix of `out` picks the format: .bin (raw little-endian uint16) or .npy, each with a `<out>.json`
+    sidecar (dtype, num_tokens, vocab_size, tokenizer), or .h5/.hdf5 (dataset "tokens", the same in attrs).
+    Files that are unreadable or not UTF-8 text are skipped and counted; empty files are left out.
+    Returns {"files", "skipped", "tokens", "bytes" (size of the token file written), "path"}.
+    """
+    out = Path(out)
+    if out.suffix not in OUT_SUFFIXES:
+        raise ValueError(f"dataset output {str(out)!r}: suffix {out.suffix!r} is not one of {', '.join(OUT_SUFFIXES)}")
+    docs, skipped = [], 0
+    for path in _input_files(inputs):
+        text = _read_text(path)
+        if text is None:
+            skipped += 1
+        elif text:
+            docs.append(np.frombuffer(text, dtype=np.uint8))
+    if not docs:
+        raise ValueError(f"no readable text in {[str(p) for p in inputs]} ({skipped} files skipped)")
+    pieces = []
+    for i, doc in enumerate(docs):
+        if i:
+            pieces.append(np.array([EOS], dtype=np.uint8))
+        pieces.append(doc)
+    tokens = np.concatenate(pieces).astype(np.uint16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_tokens(tokens, out)
+    return {"files": len(docs), "skipped": skipped, "tokens": int(tokens.size),
+            "bytes": out.stat().st_size, "path": str(out)}
+
+
+# --- token sources ----------------------------------------------------------------------------------------
+
+class TokenSource:
+    """Random access to one long token stream by offset. `vocab_size` bounds its ids: all are < vocab_size."""
+    num_tokens: int
+    vocab_size: int
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """tokens[start:start + count] as int64."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+
+def _max_id(array: Any, n: int, step: int = 1 << 24) -> int:
+    """Scans in slices so a memmap or an HDF5 dataset is never loaded whole."""
+    return max(int(np.max(array[i:i + step])) for i in range(0, n, step))
+
+
+class _PerProcess:
+    """Opens its file on first use in each process: handles must not cross fork, and pickling drops them."""
+
+    def __init__(self) -> None:
+        self._pid, self._handle = -1, None
+
+    def _open(self) -> Any:
+        raise NotImplementedError
+
+    def _get(self) -> Any:
+        if self._pid != os.getpid():
+            self._pid, self._handle = os.getpid(), self._open()
+        return self._handle
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pid": -1, "_handle": None}
+
+
+class ArraySource(_PerProcess, TokenSource):
+    """A .npy file or a raw little-endian file (.bin), each with an optional `<path>.json` sidecar.
+
+    Without a sidecar a raw file is read as uint16 and the vocab is found by scanning for the largest id.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        sidecar = Path(str(self.path) + ".json")
+        meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
+        self.dtype = None  # .npy: its header knows
+        if self.path.suffix != ".npy":
+            self.dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")  # a raw file without one: uint16
+        array = self._get()
+        self.num_tokens = int(array.shape[0])
+        if "num_tokens" in meta and meta["num_tokens"] != self.num_tokens:
+            raise ValueError(f"{str(self.path)!r} holds {self.num_tokens} tokens but its sidecar records "
+                             f"{meta['num_tokens']}: the file is truncated or the sidecar is stale")
+        self.vocab_size = int(meta.get("vocab_size") or _max_id(array, self.num_tokens) + 1)
+
+    def _open(self) -> np.ndarray:
+        if self.dtype is None:
+            return np.load(self.path, mmap_mode="r")
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        return np.asarray(self._get()[start:start + count], dtype=np.int64)
+
+
+class HDF5Source(_PerProcess, TokenSource):
+    """Dataset "tokens" of an HDF5 file (see build_dataset); a vocab_size attribute saves a full scan."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        with h5py.File(self.path, "r") as f:  # closed again: the real handle is opened per process
+            if "tokens" not in f:
+                raise ValueError(f"{str(self.path)!r} has no dataset 'tokens' (it holds {sorted(f.keys())})")
+            dset = f["tokens"]
+            self.num_tokens = int(dset.shape[0])
+            recorded = dset.attrs.get("vocab_size")
+            self.vocab_size = int(recorded) if recorded is not None else _max_id(dset, self.num_tokens) + 1
+
+    def _open(self) -> h5py.Dataset:
+        return h5py.File(self.path, "r")["tokens"]
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        return np.asarray(self._get()[start:start + count], dtype=np.int64)
+
+
+class SyntheticSource(TokenSource):
+    """Endless-looking learnable text with no file: documents of 32-256 tokens separated by EOS.
+
+    Each document counts up from a random start by a step in {1, 2, 3}, wrapping within ids 1..vocab_size-1
+    (so it never emits EOS inside a document): after two tokens the rest is predictable, and a tiny model's
+    loss falls well below log(vocab_size). The stream is cut into chunks, each generated from its own
+    RNG seeded by (seed, chunk index), so any slice is reproducible without generating what comes before it;
+    a chunk ends with EOS, cutting its last document short.
+    """
+    CHUNK = 4096  # tokens; generating one costs ~0.1 ms
+    MIN_DOC, MAX_DOC = 32, 256
+
+    def __init__(self, vocab_size: int, seed: int, num_tokens: int = 2 ** 22) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"synthetic data needs vocab_size >= 2 (EOS plus one token), got {vocab_size}")
+        self.vocab_size, self.seed, self.num_tokens = vocab_size, seed, num_tokens
+
+    def _chunk(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, index])
+        num_docs = self.CHUNK // (self.MIN_DOC + 1) + 1  # enough documents to fill a chunk even if all are short
+        lengths = rng.integers(self.MIN_DOC, self.MAX_DOC + 1, size=num_docs)
+        starts = rng.integers(0, self.vocab_size - 1, size=num_docs)
+        steps = rng.integers(1, 4, size=num_docs)
+        ends = np.cumsum(lengths + 1)  # each document is followed by one EOS
+        pos = np.arange(self.CHUNK)
+        doc = np.searchsorted(ends, pos, side="right")
+        offset = pos - (ends[doc] - lengths[doc] - 1)
+        body = 1 + (starts[doc] + steps[doc] * offset) % (self.vocab_size - 1)
+        tokens = np.where(offset == lengths[doc], EOS, body).astype(np.int64)
+        tokens[-1] = EOS  # the document cut by the chunk boundary ends here, like any other
+        return tokens
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        stop = min(start + count, self.num_tokens)
+        if stop <= start:
+            return np.zeros(0, dtype=np.int64)
+        first, last = start // self.CHUNK, (stop - 1) // self.CHUNK
+        joined = np.concatenate([self._chunk(i) for i in range(first, last + 1)])
+        return joined[start - first * self.CHUNK:stop - first * self.CHUNK]
+
+
+def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
+    """The token source [data] describes, checked against the model: ids fit its vocab, one sequence fits."""
+    name = "synthetic data" if cfg.source == "synthetic" else f"data.path = {cfg.path!r}"
+    if cfg.source == "synthetic":
+        source: TokenSource = SyntheticSource(vocab_size, seed)
+    else:
+        path = Path(cfg.path)
+        if not path.is_file():
+            raise ValueError(f"data.path = {cfg.path!r} does not exist")
+        is_hdf5 = path.suffix in (".h5", ".hdf5")
+        if is_hdf5 != (cfg.source == "hdf5"):
+            raise ValueError(f"data.path = {cfg.path!r} does not fit data.source = {cfg.source!r} "
+                             f"(hdf5 reads .h5/.hdf5, bin reads .bin/.npy)")
+        try:
+            source = HDF5Source(path) if is_hdf5 else ArraySource(path)
+        except OSError as e:
+            raise ValueError(f"data.path = {cfg.path!r} cannot be read as {cfg.source}: {e}") from None
+    if source.vocab_size > vocab_size:
+        raise ValueError(f"{name} has vocab_size {source.vocab_size} (ids up to "
+                         f"{source.vocab_size - 1}) but model.vocab_size = {vocab_size}")
+    if len(source) < cfg.seq_len + 1:
+        raise ValueError(f"{name} holds {len(source)} tokens, fewer than one sequence of "
+                         f"data.seq_len + 1 = {cfg.seq_len + 1}")
+    return source
+
+
+# --- loader -----------------------------------------------------------------------------------------------
+
+class TokenLoader:
+    """Shuffled, non-overlapping samples of seq_len + 1 tokens, sharded over data-parallel ranks.
+
+    Each next_batch() consumes one global micro-batch: the next micro_batch_size * dp_size samples of the
+    epoch's permutation, of which dp rank r takes the slice [r * B:(r + 1) * B]. Hence dp ranks' batches
+    concatenated equal one process with B * dp_size, and k batches of B equal one of k * B (within an epoch).
+    An epoch ends when fewer than a global micro-batch of samples remain; the rest are left for that epoch.
+    """
+
+    def __init__(self, source: TokenSource, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 seed: int) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
+        if seq_len < 1 or micro_batch_size < 1:
+            raise ValueError(f"seq_len = {seq_len} and micro_batch_size = {micro_batch_size} must be >= 1")
+        self.source, self.seq_len, self.micro_batch_size = source, seq_len, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.num_samples = (len(source) - 1) // seq_len  # sample i ends at token i * seq_len + seq_len
+        self.global_batch = micro_batch_size * dp_size
+        if self.num_samples < self.global_batch:
+            raise ValueError(f"{len(source)} tokens make {self.num_samples} samples of seq_len + 1 = {seq_len + 1}, "
+                             f"fewer than one global micro-batch of micro_batch_size * dp_size = "
+                             f"{micro_batch_size} * {dp_size} = {self.global_batch}")
+        self.epoch, self.sample_index, self.samples_seen = 0, 0, 0
+        self._perm_key, self._perm = (-1, -1), np.zeros(0, dtype=np.int64)
+
+    @property
+    def tokens_per_global_micro_batch(self) -> int:
+        """Predicted tokens per next_batch() over all dp ranks."""
+        return self.global_batch * self.seq_len
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_key != (self.seed, self.epoch):  # load_state_dict may change either
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._perm_key, self._perm = (self.seed, self.epoch), rng.permutation(self.num_samples)
+        return self._perm
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sample_index + self.global_batch > self.num_samples:
+            self.epoch, self.sample_index = self.epoch + 1, 0
+        lo = self.sample_index + self.dp_rank * self.micro_batch_size
+        indices = self._permutation()[lo:lo + self.micro_batch_size]
+        self.sample_index += self.global_batch
+        self.samples_seen += self.global_batch
+        rows = np.stack([self.source.read(int(i) * self.seq_len, self.seq_len + 1) for i in indices])
+        tokens = torch.from_numpy(rows)  # (B, seq_len + 1) int64
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "sample_index": self.sample_index, "seed": self.seed,
+                "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continues where the saved loader stopped, with its seed; the dp size may differ from the saver's."""
+        if not 0 <= int(state["sample_index"]) <= self.num_samples:
+            raise ValueError(f"loader state sample_index = {state['sample_index']} is outside this dataset's "
+                             f"{self.num_samples} samples: was it saved for another dataset or seq_len?")
+        self.epoch, self.sample_index = int(state["epoch"]), int(state["sample_index"])
+        self.seed, self.samples_seen = int(state["seed"]), int(state["samples_seen"])
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m hpctrain.data OUT.{bin,npy,h5} [INPUT ...]  (no inputs: the bundled corpus)")
+        return 2
+    inputs = [Path(a) for a in argv[1:]] or project_corpus_inputs()
+    print(json.dumps(build_dataset(inputs, Path(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

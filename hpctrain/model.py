@@ -1,0 +1,178 @@
+"""A Llama-style decoder on one device: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention through
+scaled_dot_product_attention (FlashAttention on GPUs), optional tied embeddings. No distributed code here:
+hpctrain.parallelize applies tensor parallel, checkpointing and sharding to this unmodified module.
+
+    model = Transformer(ModelDims.from_config(cfg.model, tp=2))   # on the meta device for big models
+    model.init_buffers(); p.copy_(init_value(name, p.shape, dims, seed))  # layout-independent weights
+    logits = model(tokens)                                         # (B, T) -> (B, T, padded_vocab)
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    vocab_size: int  # padded: a multiple of pad_to (and of tp) so the vocabulary shards evenly
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    tie_embeddings: bool
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    true_vocab_size: int = 0  # before padding
+
+    @staticmethod
+    def from_config(m: ModelConfig, tp: int = 1, pad_to: int = 64) -> "ModelDims":
+        """Pads the vocabulary to a multiple of lcm(pad_to, tp): the same padded size for every tp dividing
+        pad_to, so layouts stay comparable. Heads and FFN width must divide by tp (ValueError otherwise)."""
+        kv = m.n_kv_heads or m.n_heads
+        ffn = m.ffn_dim or 64 * math.ceil(8 * m.dim / 3 / 64)
+        for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv), ("model ffn_dim", ffn)):
+            if value % tp:
+                raise ValueError(f"{name} = {value} is not divisible by parallel.tp = {tp}")
+        multiple = math.lcm(pad_to, tp)
+        vocab = multiple * math.ceil(m.vocab_size / multiple)
+        return ModelDims(vocab, m.dim, m.n_layers, m.n_heads, kv, ffn, m.max_seq_len, m.tie_embeddings,
+                         true_vocab_size=m.vocab_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, embeddings: bool = True) -> int:
+        d, h = self.dim, self.head_dim
+        attn = d * (self.n_heads * h) * 2 + d * (self.n_kv_heads * h) * 2
+        block = attn + 3 * d * self.ffn_dim + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * block + d + (emb if embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per weight in matmuls (forward 2, backward 4) plus attention scores and
+        values, 12 * layers * dim * seq_len (PaLM's accounting, causal mask not discounted)."""
+        matmul_params = self.num_params(embeddings=False) - (2 * self.n_layers + 1) * self.dim
+        matmul_params += self.vocab_size * self.dim  # the output projection is a matmul; the lookup is not
+        return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 even under bf16 autocast: the mean of squares loses precision in low precision
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the two halves of each head: x (B, T, H, D), cos/sin (T, D/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.head_dim = d.head_dim
+        self.wq = nn.Linear(d.dim, d.n_heads * d.head_dim, bias=False)
+        self.wk = nn.Linear(d.dim, d.n_kv_heads * d.head_dim, bias=False)
+        self.wv = nn.Linear(d.dim, d.n_kv_heads * d.head_dim, bias=False)
+        self.wo = nn.Linear(d.n_heads * d.head_dim, d.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds n_heads / tp of them
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, head_dim)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves n_heads / n_kv_heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d.dim, d.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(d.dim, d.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(d.ffn_dim, d.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(d.dim, d.norm_eps)
+        self.attention = Attention(d)
+        self.ffn_norm = RMSNorm(d.dim, d.norm_eps)
+        self.feed_forward = FeedForward(d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.dims = d
+        self.tok_embeddings = nn.Embedding(d.vocab_size, d.dim)
+        # a dict keyed by the global block index, so names stay the same when pipeline stages drop blocks
+        self.layers = nn.ModuleDict({str(i): Block(d) for i in range(d.n_layers)})
+        self.norm = RMSNorm(d.dim, d.norm_eps)
+        self.output = nn.Linear(d.dim, d.vocab_size, bias=False)
+        if d.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        cos, sin = rope_tables(self.dims.head_dim, self.dims.max_seq_len, self.dims.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            x = block(x, self.rope_cos, self.rope_sin)
+        x = self.norm(x) if self.norm is not None else x
+        return self.output(x) if self.output is not None else x
+
+
+def init_value(name: str, shape: torch.Size, dims: ModelDims, seed: int) -> torch.Tensor:
+    """The full, unsharded initial value of one parameter, from its name alone: layout-independent."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = 0.02
+    if name.endswith(("wo.weight", "w2.weight")):  # residual projections: scaled so depth does not blow up
+        std = 0.02 / math.sqrt(2 * dims.n_layers)
+    return torch.randn(shape, generator=g) * std

@@ -1,0 +1,139 @@
+"""Optimizer pieces: AdamW without decay on 1-D parameters, warmup + cosine schedule, gradient clipping on the
+true global norm across tensor-parallel and FSDP shards, and a dynamic loss scaler for fp16.
+
+    opt = build_optimizer(model, cfg.train, zero_group)   # ZeroRedundancyOptimizer when zero_group is given
+    sched = build_schedule(opt, cfg.train, total_steps)
+    norm = clip_grad_norm(model.parameters(), 1.0)         # the same number on every rank
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hpctrain.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and other 1-D parameters are left alone."""
+    decay, keep = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else keep).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None) -> torch.optim.Optimizer:
+    kwargs = {"lr": lr, "betas": (t.beta1, t.beta2), "eps": 1e-8}
+    groups = param_groups(model, t.weight_decay)
+    if zero_group is not None:  # ZeRO-1: each dp rank keeps the AdamW state of its share of parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=zero_group, weight_decay=t.weight_decay, **kwargs)
+        opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+        return opt
+    # foreach kernels work on DTensor shards too; fused is CUDA-only here
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine down to base_lr * min_ratio at `total`."""
+    if warmup and step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_schedule(opt: torch.optim.Optimizer, t: TrainConfig, base_lr: float, total: int):
+    fn = lambda step: lr_at(step, base_lr, t.warmup_steps, total, t.min_lr_ratio) / base_lr  # noqa: E731
+    return torch.optim.lr_scheduler.LambdaLR(opt, fn)
+
+
+def effective_lr(t: TrainConfig, global_batch: int) -> float:
+    """Linear scaling rule when train.scale_lr_with_batch names the batch that train.lr was tuned for."""
+    return t.lr * global_batch / t.scale_lr_with_batch if t.scale_lr_with_batch else t.lr
+
+
+def _groups(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with gradients, grouped so each group's gradients share one mesh and placement (or are plain
+    tensors): foreach kernels cannot mix DTensors of different meshes (FSDP+TP gives 1-D and 2-D ones)."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain",)
+            groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients as if the model were on one device.
+
+    Sharded (DTensor) gradients reduce their partial norms over their mesh; plain gradients are whole on
+    every rank (DDP has all-reduced them; tensor parallel replicates what it does not shard)."""
+    total = None
+    for group in _groups(params):
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
+        n = (n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2
+        total = n if total is None else total + n.to(total.device)
+    return total.sqrt() if total is not None else torch.zeros(())
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    norm = grad_norm(params)
+    if max_norm > 0 and torch.isfinite(norm):
+        for group in _groups(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: scale the loss up, skip steps whose gradients overflow and halve the
+    scale, double it after `growth_interval` clean steps. Works for any sharding: the overflow check is one
+    all-reduce over the world."""
+
+    def __init__(self, enabled: bool, init_scale: float, growth_interval: int = 200) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_and_check(self, params: list[nn.Parameter], device: torch.device) -> bool:
+        """Divides gradients by the scale; True when every rank's gradients are finite."""
+        if not self.enabled:
+            return True
+        bad = torch.zeros(1, device=device)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is None:
+                    continue
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                g.mul_(1.0 / self.scale)
+                bad += (~torch.isfinite(g)).any().float()
+        if dist.is_initialized():
+            dist.all_reduce(bad)
+        return bad.item() == 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if finite:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        else:
+            self.scale /= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.scale, self.good_steps = d["scale"], d["good_steps"]

@@ -1,0 +1,167 @@
+"""Turns the single-device Transformer into the job's parallel model, in torchtitan's fixed order: tensor
+parallel, activation checkpointing, then data parallel (DDP, ZeRO-1 optimizer sharding, or FSDP2 for ZeRO-2/3),
+on the meta device first so no rank ever holds more than its shard; then seeded materialisation gives every
+layout the same full weights.
+
+    pm = build(cfg, mesh, device)        # pm.model, pm.dims, pm.sync(last_micro_step), pm.loss_parallel
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from hpctrain.config import Config
+from hpctrain.model import ModelDims, Transformer, init_value
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ParallelModel:
+    model: nn.Module
+    dims: ModelDims
+    loss_parallel: bool  # logits stay vocab-sharded; cross-entropy runs under torch's loss_parallel()
+    sync: Callable[[bool], Any]  # sync(is_last_micro_step) -> context manager around forward+backward
+    autocast_dtype: torch.dtype | None  # autocast for layouts without FSDP's mixed precision
+    zero_stage: int
+
+
+def clean_name(name: str) -> str:
+    """Drops prefixes that wrappers add (checkpointing, torch.compile, DDP) so names match the plain model."""
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(junk, "")
+    return name.removeprefix("module.")
+
+
+def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
+    """Column-parallel q/k/v and gate/up, row-parallel o/down; norms sequence-parallel when asked."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        f"{block_prefix}.attention.wq": ColwiseParallel(),
+        f"{block_prefix}.attention.wk": ColwiseParallel(),
+        f"{block_prefix}.attention.wv": ColwiseParallel(),
+        f"{block_prefix}.attention.wo": RowwiseParallel(output_layouts=seq),
+        f"{block_prefix}.feed_forward.w1": ColwiseParallel(),
+        f"{block_prefix}.feed_forward.w3": ColwiseParallel(),
+        f"{block_prefix}.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan[f"{block_prefix}.attention_norm"] = SequenceParallel()
+        plan[f"{block_prefix}.ffn_norm"] = SequenceParallel()
+        plan[f"{block_prefix}.attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+        plan[f"{block_prefix}.feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Vocab-parallel embedding and output, and the per-block plan, on the node-local tp mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, \
+        parallelize_module
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in model.layers:
+        plan.update(tp_plan(f"layers.{i}", sequence_parallel))
+    parallelize_module(model, tp_mesh, plan)
+    if model.dims.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # both vocab-sharded as Shard(0): one parameter
+
+
+def apply_ac(model: Transformer, mode: str, every: int) -> None:
+    """Recompute block activations in backward: all blocks ('full') or every k-th ('every')."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for i, key in enumerate(list(model.layers)):
+        if mode == "full" or i % every == 0:
+            model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
+
+
+def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.dtype | None,
+               reduce_dtype: torch.dtype) -> None:
+    """FSDP2 per block then the root: ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard = zero_stage == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device) -> None:
+    """Allocates the (sharded) parameters and fills each with its slice of the layout-independent init."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = init_value(clean_name(name), p.shape, dims, seed).to(device)
+            if isinstance(p, DTensor):
+                # every rank holds the same full tensor, so slicing locally needs no communication
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(full)
+    model.init_buffers(device)
+
+
+def _check_supported(cfg: Config, tp: int, dp: int) -> None:
+    z = cfg.parallel.zero_stage
+    if z == 1 and tp > 1:
+        raise ValueError(f"parallel.zero_stage = 1 with parallel.tp = {tp} is not supported (ZeRO-1 shards the "
+                         f"optimizer of plain DDP); use zero_stage 0, 2 or 3 with tensor parallel")
+    if z == 0 and tp > 1 and dp > 1:
+        raise ValueError(f"parallel.zero_stage = 0 (DDP) with parallel.tp = {tp} is not supported; use "
+                         f"zero_stage 2 or 3 (FSDP2 composes with tensor parallel)")
+
+
+def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
+    """mesh: hpctrain.mesh.Mesh (or None for one process)."""
+    tp = mesh.layout.tp if mesh else 1
+    dp = mesh.layout.dp if mesh else 1
+    _check_supported(cfg, tp, dp)
+    dims = ModelDims.from_config(cfg.model, tp)
+    zero = cfg.parallel.zero_stage if dp > 1 else -1  # -1: no data parallel wrapping
+    loss_parallel = tp > 1 and cfg.parallel.loss_parallel
+    with torch.device("meta"):
+        model = Transformer(dims)
+    if tp > 1:
+        apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel)
+    apply_ac(model, cfg.train.ac, cfg.train.ac_every)
+    low = DTYPES[cfg.train.precision] if cfg.train.precision != "fp32" else None
+    autocast = low
+    if zero in (2, 3):
+        apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype])
+        autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
+    materialize(model, dims, cfg.train.seed, device)
+    sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731
+    if zero in (0, 1):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, process_group=mesh.group("dp"),
+                    device_ids=[device.index] if device.type == "cuda" else None)
+        if low is not None and cfg.train.reduce_dtype == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+            model.register_comm_hook(mesh.group("dp"), bf16_compress_hook)
+        ddp = model
+        sync = lambda last: contextlib.nullcontext() if last else ddp.no_sync()  # noqa: E731
+    elif zero in (2, 3):
+        fsdp = model
+
+        @contextlib.contextmanager
+        def sync(last: bool):
+            # accumulate unreduced gradients locally until the last micro-step, then reduce-scatter once
+            fsdp.set_requires_gradient_sync(last)
+            yield
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero)
