@@ -3,7 +3,7 @@
     python -m hpctrain.data data/corpus.bin              # the bundled corpus: this project's own text files
     python -m hpctrain.data data/notes.h5 notes/ a.txt   # any text files or directories
 
-    source = open_source(cfg.data, cfg.model.vocab_size, seed=cfg.train.seed)
+    source = open_source(cfg.data, cfg.model.vocab_size)  # synthetic data: seed= picks another stream
     loader = TokenLoader(source, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank, dp_size, cfg.train.seed)
     x, y = loader.next_batch()  # (micro_batch_size, seq_len) int64 each, y = x shifted by one
 
@@ -158,7 +158,7 @@ class TokenSource:
 
 def _max_id(array: Any, n: int, step: int = 1 << 24) -> int:
     """Scans in slices so a memmap or an HDF5 dataset is never loaded whole."""
-    return max(int(np.max(array[i:i + step])) for i in range(0, n, step))
+    return max((int(np.max(array[i:i + step])) for i in range(0, n, step)), default=-1)
 
 
 class _PerProcess:
@@ -193,7 +193,11 @@ class ArraySource(_PerProcess, TokenSource):
         self.dtype = None  # .npy: its header knows
         if self.path.suffix != ".npy":
             self.dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")  # a raw file without one: uint16
+            if self.path.stat().st_size == 0:  # np.memmap's own message would not name the file
+                raise ValueError(f"{str(self.path)!r} is empty: it holds no tokens")
         array = self._get()
+        if array.ndim != 1:
+            raise ValueError(f"{str(self.path)!r} holds an array of shape {array.shape}; tokens must be 1-d")
         self.num_tokens = int(array.shape[0])
         if "num_tokens" in meta and meta["num_tokens"] != self.num_tokens:
             raise ValueError(f"{str(self.path)!r} holds {self.num_tokens} tokens but its sidecar records "
@@ -219,15 +223,17 @@ class HDF5Source(_PerProcess, TokenSource):
             if "tokens" not in f:
                 raise ValueError(f"{str(self.path)!r} has no dataset 'tokens' (it holds {sorted(f.keys())})")
             dset = f["tokens"]
+            if dset.ndim != 1:
+                raise ValueError(f"{str(self.path)!r}: 'tokens' has shape {dset.shape}; tokens must be 1-d")
             self.num_tokens = int(dset.shape[0])
             recorded = dset.attrs.get("vocab_size")
             self.vocab_size = int(recorded) if recorded is not None else _max_id(dset, self.num_tokens) + 1
 
-    def _open(self) -> h5py.Dataset:
-        return h5py.File(self.path, "r")["tokens"]
+    def _open(self) -> h5py.File:
+        return h5py.File(self.path, "r")  # kept open: one handle per process for its whole life
 
     def read(self, start: int, count: int) -> np.ndarray:
-        return np.asarray(self._get()[start:start + count], dtype=np.int64)
+        return np.asarray(self._get()["tokens"][start:start + count], dtype=np.int64)
 
 
 class SyntheticSource(TokenSource):
@@ -272,7 +278,10 @@ class SyntheticSource(TokenSource):
 
 
 def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
-    """The token source [data] describes, checked against the model: ids fit its vocab, one sequence fits."""
+    """The token source [data] describes, checked against the model: ids fit its vocab, one sequence fits.
+
+    `seed` only matters for synthetic data (the trainer passes train.seed); files carry their own tokens.
+    """
     name = "synthetic data" if cfg.source == "synthetic" else f"data.path = {cfg.path!r}"
     if cfg.source == "synthetic":
         source: TokenSource = SyntheticSource(vocab_size, seed)

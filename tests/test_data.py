@@ -185,10 +185,33 @@ def test_truncated_bin_is_caught_by_its_sidecar(texts, tmp_path):
     refused(ArraySource, tmp_path / "c.bin", fragments=[f"{len(raw) // 2 - 10} tokens", f"{len(raw) // 2}"])
 
 
+def _read_in_child(source, queue) -> None:
+    queue.put(source.read(2, 5).tolist())
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".h5"])
+def test_source_made_before_fork_reads_in_the_child(texts, tmp_path, suffix):
+    ctx = pytest.importorskip("multiprocessing").get_context("fork")
+    build_dataset([texts], tmp_path / f"c{suffix}")
+    source = open_source(DataConfig(source=SUFFIX_SOURCE[suffix], path=str(tmp_path / f"c{suffix}"), seq_len=4), 256)
+    want = source.read(2, 5).tolist()  # the parent has its handle open now
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(source, queue))
+    child.start()
+    got = queue.get(timeout=30)
+    child.join(timeout=30)
+    assert got == want and child.exitcode == 0
+
+
 def test_hdf5_without_tokens_dataset(tmp_path):
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["weights"] = np.zeros(4)
     refused(HDF5Source, tmp_path / "other.h5", fragments=["'tokens'", "weights"])
+    np.save(tmp_path / "grid.npy", np.zeros((4, 4), dtype=np.uint16))
+    refused(ArraySource, tmp_path / "grid.npy", fragments=["(4, 4)", "1-d"])
+    (tmp_path / "empty.bin").write_bytes(b"")
+    refused(open_source, DataConfig(source="bin", path=str(tmp_path / "empty.bin")), 256,
+            fragments=["empty.bin", "no tokens"])
 
 
 # --- synthetic source -----------------------------------------------------------------------------------------

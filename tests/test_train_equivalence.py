@@ -1,0 +1,108 @@
+"""Multi-process tier for training: every layout trains the same model as one process.
+
+Same seed, same data, 8 steps of a tiny Llama on gloo: per-step losses and final full weights of each layout
+must match the single-process reference within fp32 tolerance (reduction order differs across layouts). bf16
+is held to a stated looser tolerance; fp16 must skip exactly the step whose gradients were made infinite.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, env_with_venv
+from test_dist import _free_ports
+from train_worker import run_case
+
+LOSS_TOL = 2e-5  # fp32, absolute, per step
+WEIGHT_TOL = 2e-4  # fp32, max absolute difference of any weight after 8 AdamW steps at lr 1e-3
+BF16_LOSS_TOL = 5e-2  # bf16 compute against the fp32 reference
+
+TWO = [
+    {"name": "tp2", "overrides": ["parallel.tp=2"]},
+    {"name": "tp2_sp", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true"]},
+    *[{"name": f"dp2_zero{z}", "overrides": [f"parallel.zero_stage={z}", "train.micro_batch_size=4"]}
+      for z in range(4)],
+    {"name": "dp2_zero3_bf16", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4",
+                                             "train.precision=bf16"]},
+    {"name": "dp2_fp16_inf", "overrides": ["train.precision=fp16", "train.micro_batch_size=4"],
+     "inject_inf_step": 3},
+]
+FOUR = [
+    {"name": "tp2dp2_zero3", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
+    {"name": "tp2dp2_zero2_ac", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=4",
+                                              "train.ac=every"]},
+    {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
+                                               "train.grad_accum=2"]},
+]
+
+
+def _spawn(world: int, cases: list[dict], out: Path) -> subprocess.Popen:
+    base = _free_ports(len(cases))
+    procs = []
+    for rank in range(world):
+        env = env_with_venv() | {
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": f"train-{world}",
+        }
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "train_worker.py"), str(out),
+                                       json.dumps(cases), str(base)], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("train")
+    # both spawns run while this process computes the references (6 processes on 2 cores, ~1 min)
+    running = {2: _spawn(2, TWO, out)}
+    run_case([], out / "ref.pt")
+    run_case(["train.micro_batch_size=2", "train.grad_accum=4"], out / "accum4.pt")
+    run_case(["train.ac=full"], out / "ac_full.pt")
+    logs = [p.communicate(timeout=600)[0] for p in running[2]]
+    running[4] = _spawn(4, FOUR, out)
+    logs += [p.communicate(timeout=600)[0] for p in running[4]]
+    errors = {}
+    for f in out.glob("errors-rank*.json"):
+        errors.update(json.loads(f.read_text()))
+    assert not errors, f"{errors}\n" + "\n".join(log[-3000:] for log in logs)
+    return {f.stem: torch.load(f) for f in out.glob("*.pt")}
+
+
+def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None) -> None:
+    diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
+    assert len(got["losses"]) == len(ref["losses"]) and max(diffs) <= loss_tol, (got["losses"], ref["losses"])
+    assert set(got["weights"]) == set(ref["weights"])
+    if weight_tol is not None:
+        worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+        assert worst <= weight_tol, f"max weight difference {worst}"
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3",
+                                  "tp2dp2_zero3", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4", "ac_full"])
+def test_layout_matches_single_process(results, case) -> None:
+    _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
+
+
+def test_reference_learns(results) -> None:
+    losses = results["ref"]["losses"]
+    assert losses[-1] < losses[0] - 0.1  # a test that compares equal nothings would pass; this one would not
+
+
+def test_bf16_within_looser_tolerance(results) -> None:
+    _compare(results["dp2_zero3_bf16"], results["ref"], BF16_LOSS_TOL, None)
+    assert results["dp2_zero3_bf16"]["losses"] != results["ref"]["losses"]  # it really ran in bf16
+
+
+def test_fp16_skips_the_poisoned_step(results) -> None:
+    r = results["dp2_fp16_inf"]
+    assert r["skipped"] == [False, False, True, False, False, False, False, False]
+    assert r["scales"][2] == r["scales"][1] / 2  # the scale halves on overflow
+    assert all(torch.isfinite(w).all() for w in r["weights"].values())
+    # before the poisoned step it is the reference run in fp16; afterwards it has lost one update but learns on
+    assert max(abs(a - b) for a, b in zip(r["losses"][:3], results["ref"]["losses"][:3])) <= BF16_LOSS_TOL
+    assert r["losses"][-1] < r["losses"][3] - 0.05

@@ -1,0 +1,78 @@
+"""Runs training cases in one process (one rank) and records each case's per-step losses and final full
+weights, for tests/test_train_equivalence.py. Used two ways:
+
+    python tests/train_worker.py OUT CASES_JSON BASE_PORT      # one rank of a torchrun-style spawn
+    run_case(overrides, out_file)                              # in the test process, as the 1-rank reference
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from hpctrain import session
+from hpctrain.config import load_config
+from hpctrain.train import Trainer
+
+TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+        "data.source=synthetic", "data.seq_len=32", "train.steps=8", "train.lr=1e-3", "train.warmup_steps=2",
+        "train.log_every=100", "train.peak_tflops=1", "train.micro_batch_size=8", "parallel.pp=1",
+        "parallel.tp=1", "parallel.dp=-1"]
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().float().clone() for k, v in sd.items()}
+
+
+def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
+    """Trains one case; rank 0 saves {"losses", "skipped", "scales", "weights"} to `out` with torch.save."""
+    cfg = load_config(None, TINY + overrides + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
+    with session.start(cfg) as s:
+        tr = Trainer(cfg, s)
+        losses, skipped, scales = [], [], []
+        for step in range(cfg.train.steps):
+            if inject_inf_step and step + 1 == inject_inf_step and s.rank == s.ident.world_size - 1:
+                _poison_next_gradients(tr)
+            row = tr.train_step()
+            losses.append(row["loss"])
+            skipped.append(row["skipped"])
+            scales.append(row["loss_scale"])
+        weights = full_weights(tr.model)
+        if s.rank == 0:
+            torch.save({"losses": losses, "skipped": skipped, "scales": scales, "weights": weights}, out)
+    return {"losses": losses}
+
+
+def _poison_next_gradients(tr: Trainer) -> None:
+    """Makes one gradient on this rank infinite in the next step (a hook that fires once)."""
+    p = tr.params[0]
+    state = {"armed": True}
+
+    def hook(grad):
+        if state["armed"]:
+            state["armed"] = False
+            return torch.full_like(grad, float("inf"))
+        return grad
+
+    p.register_hook(hook)
+
+
+def main(out: str, cases_json: str, base_port: int) -> None:
+    rank = int(os.environ["RANK"])
+    errors = {}
+    for i, case in enumerate(json.loads(cases_json)):
+        os.environ["MASTER_PORT"] = str(base_port + i)
+        try:
+            run_case(case["overrides"], Path(out) / f"{case['name']}.pt", case.get("inject_inf_step", 0))
+        except Exception as e:  # recorded so the test shows which case failed and why
+            errors[case["name"]] = f"{type(e).__name__}: {e}"
+    Path(out, f"errors-rank{rank}.json").write_text(json.dumps(errors))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
