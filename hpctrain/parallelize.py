@@ -40,8 +40,7 @@ def clean_name(name: str) -> str:
 
 def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
     """Column-parallel q/k/v and gate/up, row-parallel o/down; norms sequence-parallel when asked."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         f"{block_prefix}.attention.wq": ColwiseParallel(),
@@ -64,8 +63,7 @@ def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
 
 def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Vocab-parallel embedding and output, and the per-block plan, on the node-local tp mesh."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, \
-        parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),

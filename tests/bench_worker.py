@@ -28,7 +28,8 @@ def _hier_case(s: session.Session) -> dict:
     record = {"intra": s.mesh.members("intra", s.rank), "inter": s.mesh.members("inter", s.rank)}
     # seeded small integers: every order of summation gives the same bits
     for dtype, op in [("int64", "sum"), ("int32", "max"), ("float", "sum"), ("float", "min"), ("double", "prod")]:
-        inputs = [harness.make_data(r, HIER_NUMEL, harness.DTYPES[dtype], op, seed=11, nranks=world) for r in range(world)]
+        inputs = [harness.make_data(r, HIER_NUMEL, harness.DTYPES[dtype], op, seed=11, nranks=world)
+                  for r in range(world)]
         hier, flat = inputs[s.rank].clone(), inputs[s.rank].clone()
         colls.hierarchical_all_reduce(hier, intra, inter, op)
         dist.all_reduce(flat, op=colls.TORCH_OPS[op])

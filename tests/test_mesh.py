@@ -8,8 +8,16 @@ import itertools
 
 import pytest
 
-from hpctrain.mesh import (AXES, Layout, block_placement, check_topology, format_rank_map, node_members,
-                           rank_table, resolve_layout)
+from hpctrain.mesh import (
+    AXES,
+    Layout,
+    block_placement,
+    check_topology,
+    format_rank_map,
+    node_members,
+    rank_table,
+    resolve_layout,
+)
 
 SHAPES = [(1, 1, 1), (1, 4, 1), (2, 2, 2), (2, 1, 4), (4, 2, 8), (3, 2, 2)]  # (pp, dp, tp)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import REPO, env_with_venv
 from test_dist import _free_ports
 from train_worker import run_case
+
+from conftest import REPO, env_with_venv
 
 LOSS_TOL = 2e-5  # fp32, absolute, per step
 WEIGHT_TOL = 2e-4  # fp32, max absolute difference of any weight after 8 AdamW steps at lr 1e-3
