@@ -55,8 +55,8 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -
     from hpctrain import launch, mesh
 
     cfg = _load(config, overrides)
-    layout = launch.check_layout(cfg)
     if dry_run:
+        layout = launch.check_layout(cfg, click.echo)
         rows = mesh.rank_table(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
         click.echo(mesh.format_rank_map(layout, rows))
         click.echo(f"\n# sbatch script for {cfg.job.nodes} node(s) x {cfg.job.tasks_per_node} task(s); "
@@ -131,12 +131,12 @@ def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check
     sendrecv, or all) on the job's own communicators; `hpctrain bench gemm` measures the matmul rate."""
     from hpctrain.bench import sweep
 
-    cfg = _load(config, ("job.name=bench",) * (config is None) + overrides)
+    # a benchmark trains nothing: train.steps=0 also skips the model checks of training
+    cfg = _load(config, ("job.name=bench",) * (config is None) + overrides + ("train.steps=0",))
     names = list(colls) or ["all_reduce"]
     if do_submit:
         from hpctrain import launch
 
-        launch.check_layout(cfg)
         args = [a for a in _bench_argv(click.get_current_context()) if a not in ("--submit", "--wait")]
         path = _submit(cfg, wait, argv=lambda cfg_path, rdir: ["bench", *args, "--config", str(cfg_path),
                                                                 "--run-dir", str(rdir)])

@@ -134,10 +134,15 @@ def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) ->
     return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
 
 
-def check_layout(cfg: Config) -> mesh.Layout:
-    """The layout for nodes x tasks_per_node under block placement, refused here on the login node."""
+def check_layout(cfg: Config, echo=print) -> mesh.Layout:
+    """The layout for nodes x tasks_per_node under block placement, and the model and batch on it, refused
+    here on the login node."""
     layout = mesh.resolve_layout(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.world_size)
     mesh.check_topology(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
+    if cfg.train.steps:
+        from hpctrain import parallelize  # imports torch: only when there is training to check
+        for note in parallelize.check_training(cfg, layout.tp, layout.dp):
+            echo(note)
     return layout
 
 
@@ -155,7 +160,7 @@ def make_executor(kind: str, cfg: Config, folder: Path):
 
 def submit(cfg: Config, echo=print, argv: Callable[[Path, Path], list[str]] = train_argv) -> tuple[Path, Any, str]:
     """Validates, makes a fresh run directory, submits. On failure nothing is left behind."""
-    check_layout(cfg)
+    check_layout(cfg, echo)
     kind, why = choose_executor(cfg)
     if kind == "slurm":
         check_cluster(cfg)

@@ -115,14 +115,52 @@ def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.devi
     model.init_buffers(device)
 
 
+def allreduce_grads(model: nn.Module, group) -> None:
+    """Averages every gradient (the local shard of a DTensor one) over `group` in one flat all-reduce."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in model.parameters() if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(avg)
+
+
 def _check_supported(cfg: Config, tp: int, dp: int) -> None:
     z = cfg.parallel.zero_stage
+    if cfg.parallel.pp > 1:
+        raise ValueError(f"parallel.pp = {cfg.parallel.pp}: pipeline-parallel training is not implemented yet; "
+                         f"use pp = 1 (tp inside nodes, dp across them)")
     if z == 1 and tp > 1:
         raise ValueError(f"parallel.zero_stage = 1 with parallel.tp = {tp} is not supported (ZeRO-1 shards the "
                          f"optimizer of plain DDP); use zero_stage 0, 2 or 3 with tensor parallel")
-    if z == 0 and tp > 1 and dp > 1:
-        raise ValueError(f"parallel.zero_stage = 0 (DDP) with parallel.tp = {tp} is not supported; use "
-                         f"zero_stage 2 or 3 (FSDP2 composes with tensor parallel)")
+
+
+def batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
+    """(micro_batch_size, global_batch_size); a global batch that does not split evenly is refused."""
+    t = cfg.train
+    if t.global_batch_size:
+        if t.global_batch_size % (dp * t.grad_accum):
+            raise ValueError(f"train.global_batch_size = {t.global_batch_size} is not divisible by dp({dp}) x "
+                             f"train.grad_accum({t.grad_accum}) = {dp * t.grad_accum}")
+        return t.global_batch_size // (dp * t.grad_accum), t.global_batch_size
+    return t.micro_batch_size, t.micro_batch_size * t.grad_accum * dp
+
+
+def check_training(cfg: Config, tp: int, dp: int) -> list[str]:
+    """Everything about the model and batch that can be refused before a job starts; returns notes to show
+    (the vocabulary padding)."""
+    _check_supported(cfg, tp, dp)
+    dims = ModelDims.from_config(cfg.model, tp)
+    batch_plan(cfg, dp)
+    notes = []
+    if dims.vocab_size != dims.true_vocab_size:
+        notes.append(f"model.vocab_size = {dims.true_vocab_size} padded to {dims.vocab_size} (a multiple of "
+                     f"lcm(64, tp={tp})) so the vocabulary shards evenly")
+    return notes
 
 
 def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
@@ -145,7 +183,17 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
         autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
     materialize(model, dims, cfg.train.seed, device)
     sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731
-    if zero in (0, 1):
+    if zero == 0 and tp > 1:
+        # DDP cannot hold DTensor parameters: replicate over dp by one coalesced all-reduce of the local
+        # gradient shards after the last micro-batch (no overlap with backward, unlike DDP's buckets)
+        group = mesh.group("dp")
+
+        @contextlib.contextmanager
+        def sync(last: bool):
+            yield
+            if last:
+                allreduce_grads(model, group)
+    elif zero in (0, 1):
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, process_group=mesh.group("dp"),
                     device_ids=[device.index] if device.type == "cuda" else None)

@@ -27,17 +27,6 @@ from hpctrain.config import Config, load_config
 log = logging.getLogger(__name__)
 
 
-def batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
-    """(micro_batch_size, global_batch_size); a global batch that does not split evenly is refused."""
-    t = cfg.train
-    if t.global_batch_size:
-        if t.global_batch_size % (dp * t.grad_accum):
-            raise ValueError(f"train.global_batch_size = {t.global_batch_size} is not divisible by dp({dp}) x "
-                             f"train.grad_accum({t.grad_accum}) = {dp * t.grad_accum}")
-        return t.global_batch_size // (dp * t.grad_accum), t.global_batch_size
-    return t.micro_batch_size, t.micro_batch_size * t.grad_accum * dp
-
-
 def check_precision(precision: str, device: torch.device) -> None:
     if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} has no bf16; "
@@ -50,7 +39,7 @@ class Trainer:
         check_precision(cfg.train.precision, self.device)
         layout = s.mesh.layout
         self.dp_rank = s.mesh.layout.coords(s.rank)["dp"]
-        self.micro_batch, self.global_batch = batch_plan(cfg, layout.dp)
+        self.micro_batch, self.global_batch = parallelize.batch_plan(cfg, layout.dp)
         torch.manual_seed(cfg.train.seed)
         self.pm = parallelize.build(cfg, s.mesh, self.device)
         self.model = self.pm.model

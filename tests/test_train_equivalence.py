@@ -34,6 +34,8 @@ TWO = [
 ]
 FOUR = [
     {"name": "tp2dp2_zero3", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
+    {"name": "tp2dp2_zero0", "overrides": ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2",
+                                           "train.grad_accum=2"]},
     {"name": "tp2dp2_zero2_ac", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=4",
                                               "train.ac=every"]},
     {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
@@ -83,7 +85,7 @@ def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None) ->
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3",
-                                  "tp2dp2_zero3", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4", "ac_full"])
+                                  "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4", "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
     _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
 
