@@ -22,11 +22,15 @@ $(STAMP): setup.py setup.cfg
 	$(BIN)/python -m pip install -q -e ".[test]" $(MPI_WHEEL)
 	touch $(STAMP)
 
-test: install
+test: install data/corpus.bin
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q tests $(ARGS)
 
-submit: install
+submit: install data/corpus.bin
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/hpctrain submit $(CONFIG) --wait $(ARGS)
+
+# the bundled training corpus: this project's own source and docs, byte-level tokens
+data/corpus.bin: | install
+	$(BIN)/hpctrain data build $@
 
 bench: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/run_all.py $(ARGS)

@@ -174,6 +174,24 @@ def _bench_argv(ctx: click.Context) -> list[str]:
     return argv
 
 
+@main.group(name="data")
+def data_group() -> None:
+    """Token datasets."""
+
+
+@data_group.command(name="build")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("inputs", nargs=-1, type=click.Path(exists=True))
+@user_errors
+def data_build(out: str, inputs: tuple[str, ...]) -> None:
+    """Tokenize text files (byte-level) into OUT (.bin, .npy, .h5). Directories are walked; with no INPUTS the
+    bundled corpus is built from the project's own source and docs."""
+    from hpctrain import data
+
+    stats = data.build_dataset([Path(i) for i in inputs] or data.project_corpus_inputs(), Path(out))
+    click.echo(f"{out}: {stats['tokens']} tokens from {stats['files']} files ({stats['skipped']} skipped)")
+
+
 @main.command()
 @CONFIG_ARG
 @SET_OPT

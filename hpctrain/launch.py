@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import shutil
 import subprocess
@@ -143,6 +144,9 @@ def check_layout(cfg: Config, echo=print) -> mesh.Layout:
         from hpctrain import parallelize  # imports torch: only when there is training to check
         for note in parallelize.check_training(cfg, layout.tp, layout.dp):
             echo(note)
+        from hpctrain import data
+        from hpctrain.model import ModelDims
+        data.open_source(cfg.data, ModelDims.from_config(cfg.model, layout.tp).true_vocab_size)
     return layout
 
 
@@ -168,6 +172,8 @@ def submit(cfg: Config, echo=print, argv: Callable[[Path, Path], list[str]] = tr
     if kind == "local" and cfg.job.nodes > 1:
         echo(f"local executor: {cfg.job.nodes} nodes x {cfg.job.tasks_per_node} tasks run as {cfg.world_size} "
              f"processes on this host")
+    if cfg.data.path:  # ranks may start elsewhere: the run's config names the file absolutely
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).absolute())))
     run_dir = runs.new_run_dir(cfg.job.run_root, cfg.job.name)
     try:
         config_path = run_dir / "config.toml"

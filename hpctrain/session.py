@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -62,9 +63,20 @@ def check_groups(mesh_: mesh.Mesh, rank: int, device: torch.device) -> dict[str,
     return {"ok": not bad, "failures": bad, "groups": {a: [list(g) for g in gs] for a, gs in axes.items()}}
 
 
+def cpu_threads(ranks_on_host: int) -> int:
+    """Intra-op threads per rank: OMP_NUM_THREADS when set, else the host's cores shared among its ranks
+    (torch's default of every core per rank oversubscribes the CPU ranks_on_host times over)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // ranks_on_host)
+
+
 def _build_mesh(s: Session) -> None:
     idents: list[Any] = [None] * s.ident.world_size
     dist.all_gather_object(idents, s.ident)
+    threads = cpu_threads(sum(i.host == s.ident.host for i in idents))
+    torch.set_num_threads(threads)
+    s.summary["cpu_threads_per_rank"] = threads
     node_of_rank = [i.node_index for i in idents]
     p = s.cfg.parallel
     layout = mesh.resolve_layout(p.pp, p.dp, p.tp, s.ident.world_size)
