@@ -174,6 +174,17 @@ def _bench_argv(ctx: click.Context) -> list[str]:
     return argv
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False), help="PNG path (default RUN_DIR/training.png)")
+@user_errors
+def plot(run_dir: str, out: str | None) -> None:
+    """Draw loss, learning rate and throughput curves of a training run to PNG."""
+    from hpctrain.plot import plot_training
+
+    click.echo(plot_training(Path(run_dir), Path(out) if out else None))
+
+
 @main.group(name="data")
 def data_group() -> None:
     """Token datasets."""

@@ -116,7 +116,7 @@ class Trainer:
             losses.append(row["loss"])
             if profiler is not None:
                 profiler.step()
-            if self.step % t.log_every == 0 or self.step == t.steps:
+            if self.step % t.log_every == 0 or self.step in (1, t.steps):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.time() - tick

@@ -69,3 +69,17 @@ def test_wait_does_not_hang_on_a_killed_job(slurm_cluster, tmp_path) -> None:
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 1
     assert f"job {job_id} left the queue without a result" in err
+
+
+def test_example_trains_on_two_nodes(slurm_cluster, tmp_path) -> None:
+    """The `make submit` example, shortened: tp=2 inside n1 and n2, dp=2 across them, on the bundled corpus."""
+    corpus = REPO / "data" / "corpus.bin"
+    if not corpus.exists():
+        pytest.fail("data/corpus.bin missing: `make test` builds it (hpctrain data build data/corpus.bin)")
+    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", "--set", "train.steps=30",
+                   "--set", "train.log_every=10", timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    s = read_summary(tmp_path)
+    assert s["ok"] and [r["node"] for r in s["rank_map"]] == ["n1", "n1", "n2", "n2"]
+    assert s["train"]["steps"] == 30 and s["train"]["final"]["loss"] < s["train"]["first_loss"] - 1.0
+    assert "step 30/30" in out.stdout  # --wait echoed rank 0's progress
