@@ -135,8 +135,6 @@ def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check
     cfg = _load(config, ("job.name=bench",) * (config is None) + overrides + ("train.steps=0",))
     names = list(colls) or ["all_reduce"]
     if do_submit:
-        from hpctrain import launch
-
         args = [a for a in _bench_argv(click.get_current_context()) if a not in ("--submit", "--wait")]
         path = _submit(cfg, wait, argv=lambda cfg_path, rdir: ["bench", *args, "--config", str(cfg_path),
                                                                 "--run-dir", str(rdir)])
@@ -176,7 +174,8 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False), help="PNG path (default RUN_DIR/training.png)")
+@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False),
+              help="PNG path (default RUN_DIR/training.png)")
 @user_errors
 def plot(run_dir: str, out: str | None) -> None:
     """Draw loss, learning rate and throughput curves of a training run to PNG."""

@@ -85,7 +85,8 @@ def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None) ->
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3",
-                                  "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4", "ac_full"])
+                                  "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4",
+                                  "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
     _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
 
