@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,38 @@ def run_mpiexec(mpiexec: str, *parts: list[str], timeout: float = 180) -> subpro
         cmd += ([":"] if i else []) + part
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_with_venv(), cwd=REPO,
                           stdin=subprocess.DEVNULL)
+
+
+def free_base_port(n: int) -> int:
+    """A base port with n free ports above it, one per process group a worker starts in turn."""
+    def free(port: int) -> bool:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base + n < 65000 and all(free(base + i) for i in range(n)):
+            return base
+
+
+def spawn_ranks(world: int, cmd: list[str], ranks_per_node: int, run_id: str) -> list[subprocess.Popen]:
+    """Starts `world` real processes with torchrun's variables; GROUP_RANK makes nodes of ranks_per_node ranks.
+    The worker sets MASTER_PORT itself (one per process group it creates)."""
+    procs = []
+    for rank in range(world):
+        env = env_with_venv() | {
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(ranks_per_node), "GROUP_RANK": str(rank // ranks_per_node),
+            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": run_id,
+        }
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
 
 
 def only_run_dir(root: Path) -> Path:

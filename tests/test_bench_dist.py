@@ -11,14 +11,12 @@ on 2-rank groups.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE, REPO, env_with_venv, only_run_dir
+from conftest import EXAMPLE, REPO, free_base_port, only_run_dir, spawn_ranks
 from hpctrain.bench.colls import COLLS
 from hpctrain.bench.sweep import bus_factor
 
@@ -46,37 +44,13 @@ def _cases(out: Path, world: int) -> list:
     return cases
 
 
-def _free_base_port(n: int) -> int:
-    """A base port with n free ports above it (good enough on a test machine)."""
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(free(base + i) for i in range(n)):
-            return base
-
-
 def _spawn(out: Path, world: int) -> dict:
     """Starts `world` workers, 2 ranks per node; returns the run root and every rank's record."""
     cases = _cases(out, world)
-    base = _free_base_port(len(cases))
-    procs = []
-    for rank in range(world):
-        env = env_with_venv() | {
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
-            "GROUP_RANK": str(rank // 2), "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": f"bench-{world}",
-        }
-        cmd = [sys.executable, str(REPO / "tests" / "bench_worker.py"), str(out), str(EXAMPLE), str(base),
-               json.dumps(cases)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+    base = free_base_port(len(cases))
+    cmd = [sys.executable, str(REPO / "tests" / "bench_worker.py"), str(out), str(EXAMPLE), str(base),
+           json.dumps(cases)]
+    procs = spawn_ranks(world, cmd, ranks_per_node=2, run_id=f"bench-{world}")
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * world, "\n".join(outs)
     return {"root": out, "world": world, "records": [json.loads((out / f"rank{r}.json").read_text())

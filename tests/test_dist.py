@@ -7,12 +7,10 @@ node boundary must be refused on every rank with the same message, not hang.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import EXAMPLE, REPO, env_with_venv, read_summary
+from conftest import EXAMPLE, REPO, free_base_port, read_summary, spawn_ranks
 
 CASES = [
     ("tp2dp2", ["parallel.pp=1", "parallel.tp=2", "parallel.dp=2"]),
@@ -30,37 +28,11 @@ EXPECTED = {
 }
 
 
-def _free_ports(n: int) -> int:
-    """A base port with n free ports above it (good enough on a test machine)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(_is_free(base + i) for i in range(n)):
-            return base
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def test_four_ranks_two_nodes(tmp_path: Path) -> None:
-    base = _free_ports(len(CASES))
-    procs = []
-    for rank in range(4):
-        env = env_with_venv() | {
-            "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
-            "GROUP_RANK": str(rank // 2), "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "test-dist",
-        }
-        cmd = [sys.executable, str(REPO / "tests" / "dist_worker.py"), str(tmp_path), str(EXAMPLE), str(base),
-               json.dumps(CASES)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+    base = free_base_port(len(CASES))
+    cmd = [sys.executable, str(REPO / "tests" / "dist_worker.py"), str(tmp_path), str(EXAMPLE), str(base),
+           json.dumps(CASES)]
+    procs = spawn_ranks(4, cmd, ranks_per_node=2, run_id="test-dist")
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, "\n".join(outs)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]

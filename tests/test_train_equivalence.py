@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dist import _free_ports
 from train_worker import run_case
 
-from conftest import REPO, env_with_venv
+from conftest import REPO, free_base_port, spawn_ranks
 
 LOSS_TOL = 2e-5  # fp32, absolute, per step
 WEIGHT_TOL = 2e-4  # fp32, max absolute difference of any weight after 8 AdamW steps at lr 1e-3
@@ -43,18 +42,10 @@ FOUR = [
 ]
 
 
-def _spawn(world: int, cases: list[dict], out: Path) -> subprocess.Popen:
-    base = _free_ports(len(cases))
-    procs = []
-    for rank in range(world):
-        env = env_with_venv() | {
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": f"train-{world}",
-        }
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "train_worker.py"), str(out),
-                                       json.dumps(cases), str(base)], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
+def _spawn(world: int, cases: list[dict], out: Path) -> list[subprocess.Popen]:
+    cmd = [sys.executable, str(REPO / "tests" / "train_worker.py"), str(out), json.dumps(cases),
+           str(free_base_port(len(cases)))]
+    return spawn_ranks(world, cmd, ranks_per_node=world, run_id=f"train-{world}")
 
 
 @pytest.fixture(scope="module")
