@@ -56,7 +56,7 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -
 
     cfg = _load(config, overrides)
     if dry_run:
-        layout = launch.check_layout(cfg, click.echo)
+        layout = launch.check_layout(cfg, click.echo, strict_data=False)
         rows = mesh.rank_table(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
         click.echo(mesh.format_rank_map(layout, rows))
         click.echo(f"\n# sbatch script for {cfg.job.nodes} node(s) x {cfg.job.tasks_per_node} task(s); "

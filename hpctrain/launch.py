@@ -135,9 +135,10 @@ def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) ->
     return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
 
 
-def check_layout(cfg: Config, echo=print) -> mesh.Layout:
-    """The layout for nodes x tasks_per_node under block placement, and the model and batch on it, refused
-    here on the login node."""
+def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> mesh.Layout:
+    """The layout for nodes x tasks_per_node under block placement, and the model, batch and data on it,
+    refused here on the login node. strict_data=False (dry runs) only warns about the dataset, which may live
+    on a file system this machine does not see."""
     layout = mesh.resolve_layout(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.world_size)
     mesh.check_topology(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
     if cfg.train.steps:
@@ -146,7 +147,12 @@ def check_layout(cfg: Config, echo=print) -> mesh.Layout:
             echo(note)
         from hpctrain import data
         from hpctrain.model import ModelDims
-        data.open_source(cfg.data, ModelDims.from_config(cfg.model, layout.tp).true_vocab_size)
+        try:
+            data.open_source(cfg.data, ModelDims.from_config(cfg.model, layout.tp).true_vocab_size)
+        except ValueError as e:
+            if strict_data:
+                raise
+            echo(f"warning: {e} (a submission would be refused)")
     return layout
 
 

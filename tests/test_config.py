@@ -48,8 +48,8 @@ def test_tiny_cpu_example_loads():
     assert (cfg.job.name, cfg.job.nodes, cfg.job.tasks_per_node, cfg.world_size) == ("tiny-cpu", 2, 2, 4)
     assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (1, -1, 2)
     assert cfg.job.gpus_per_node == 0 and cfg.job.partition == ""
-    assert (cfg.model.dim, cfg.data.seq_len, cfg.model.max_seq_len) == (64, 64, 128)
-    assert cfg.train.lr == pytest.approx(1e-3)
+    assert (cfg.model.dim, cfg.data.seq_len, cfg.model.max_seq_len) == (128, 128, 128)
+    assert cfg.train.lr == pytest.approx(2e-3)
 
 
 def test_gpu_example_loads():
@@ -86,7 +86,7 @@ def test_overrides_apply_with_toml_types():
     assert cfg.job.account == "proj"
     assert cfg.job.setup == ["module load x", "export A=1"]
     assert cfg.parallel.tp == 1
-    assert cfg.model.dim == 64  # untouched keys keep the file's value
+    assert cfg.model.dim == 128  # untouched keys keep the file's value
 
 
 def test_later_override_wins_and_paths_need_no_quotes():

@@ -42,7 +42,6 @@ def test_train_writes_metrics_trace_and_plot(tmp_path) -> None:
      "train.global_batch_size = 30 is not divisible by dp(2) x train.grad_accum(4) = 8"),
     (["parallel.zero_stage=1"], "parallel.zero_stage = 1 with parallel.tp = 2 is not supported"),
     (["parallel.pp=2", "parallel.dp=1"], "parallel.pp = 2: pipeline-parallel training is not implemented"),
-    (["data.path=/nonexistent/tokens.bin"], "data.path = '/nonexistent/tokens.bin' does not exist"),
     (["train.precision=fp8"], "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
     (["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be 0, 1, 2 or 3"),
 ])
@@ -54,6 +53,15 @@ def test_bad_training_input_refused_at_dry_run(sets, fragment, tmp_path) -> None
     assert res.exit_code == 2, res.output
     assert fragment in res.output
     assert "#SBATCH" not in res.output and not any(tmp_path.iterdir())
+
+
+def test_missing_data_warns_at_dry_run_and_refuses_submission(tmp_path) -> None:
+    sets = ["--set", "data.path=/nonexistent/tokens.bin", "--set", f"job.run_root={tmp_path}"]
+    dry = CliRunner().invoke(cli, ["submit", str(EXAMPLE), "--dry-run", *sets])
+    assert dry.exit_code == 0 and "warning: data.path = '/nonexistent/tokens.bin' does not exist" in dry.output
+    real = CliRunner().invoke(cli, ["submit", str(EXAMPLE), *sets])
+    assert real.exit_code == 2 and "data.path = '/nonexistent/tokens.bin' does not exist" in real.output
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 def test_vocab_padding_is_announced(tmp_path) -> None:
