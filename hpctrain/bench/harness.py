@@ -117,6 +117,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Timer:
+    """Wall time of a block: CUDA events on a GPU (what the stream did), perf_counter after it on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> "_Timer":
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
 class _Inputs:
     """Every member's input for one size, generated once (the expected results need them all)."""
 
@@ -149,11 +173,10 @@ def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _
         run(send, recv, ctx)
     _sync(device)
     barrier()
-    t0 = time.perf_counter()
-    for _ in range(opts.iters):
-        run(send, recv, ctx)
-    _sync(device)
-    elapsed = world_max((time.perf_counter() - t0) / opts.iters)  # the slowest rank's time
+    with _Timer(device) as timer:
+        for _ in range(opts.iters):
+            run(send, recv, ctx)
+    elapsed = world_max(timer.seconds / opts.iters)  # the slowest rank's time
     wrong = None
     if opts.check:
         recv.fill_(sentinel(dtype))  # so an element the collective never wrote counts as wrong

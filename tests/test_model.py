@@ -1,0 +1,73 @@
+"""Pure tier for the model: shapes, grouped-query attention, tied embeddings, causality, the layout-independent
+init, parameter and FLOP counts (70B example included), and the refusals of model dims against tp."""
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import REPO
+from hpctrain.cli import main as cli
+from hpctrain.config import ModelConfig, load_config
+from hpctrain.model import ModelDims, Transformer, init_value
+
+
+def _model(**kw) -> Transformer:
+    dims = ModelDims.from_config(ModelConfig(**({"dim": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 16} | kw)))
+    m = Transformer(dims)
+    m.init_buffers()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(init_value(name, p.shape, dims, seed=0))
+    return m
+
+
+def test_forward_shape_and_param_count() -> None:
+    m = _model()
+    logits = m(torch.randint(0, 256, (3, 10)))
+    assert logits.shape == (3, 10, 256)
+    assert sum(p.numel() for p in m.parameters()) == m.dims.num_params()
+
+
+def test_gqa_and_tied_embeddings_count() -> None:
+    m = _model(n_kv_heads=2, tie_embeddings=True)
+    assert m.layers["0"].attention.wk.weight.shape == (2 * 8, 32)  # 2 kv heads of head_dim 8
+    assert m.output.weight is m.tok_embeddings.weight
+    assert sum(p.numel() for p in m.parameters()) == m.dims.num_params()
+    assert m(torch.randint(0, 256, (2, 5))).shape == (2, 5, 256)
+
+
+def test_causal() -> None:
+    m = _model()
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % 256  # change only the future of position 7
+    assert torch.allclose(m(x)[0, :8], m(y)[0, :8], atol=1e-6)
+    assert not torch.allclose(m(x)[0, 8:], m(y)[0, 8:])
+
+
+def test_init_depends_on_name_and_seed_only() -> None:
+    dims = ModelDims.from_config(ModelConfig())
+    a = init_value("layers.1.attention.wq.weight", torch.Size([8, 4]), dims, seed=3)
+    assert torch.equal(a, init_value("layers.1.attention.wq.weight", torch.Size([8, 4]), dims, seed=3))
+    assert not torch.equal(a, init_value("layers.0.attention.wq.weight", torch.Size([8, 4]), dims, seed=3))
+    assert not torch.equal(a, init_value("layers.1.attention.wq.weight", torch.Size([8, 4]), dims, seed=4))
+    assert torch.equal(init_value("norm.weight", torch.Size([4]), dims, 0), torch.ones(4))
+
+
+def test_vocab_padding_and_tp_refusals() -> None:
+    assert ModelDims.from_config(ModelConfig(vocab_size=250), tp=2).vocab_size == 256
+    assert ModelDims.from_config(ModelConfig(vocab_size=256, n_heads=6, dim=96, ffn_dim=192), tp=3).vocab_size == 384
+    with pytest.raises(ValueError, match="model.n_kv_heads = 2 is not divisible by parallel.tp = 4"):
+        ModelDims.from_config(ModelConfig(n_heads=4, n_kv_heads=2), tp=4)
+
+
+def test_70b_example_counts_and_dry_run() -> None:
+    cfg = load_config(REPO / "slurm" / "examples" / "llama-70b.toml")
+    dims = ModelDims.from_config(cfg.model, cfg.parallel.tp)
+    assert 70.0e9 < dims.num_params() < 71.0e9
+    # 6 FLOPs per matmul weight and token plus attention: ~6 * 70e9 + 12 * 80 * 8192 * 8192
+    assert dims.flops_per_token(8192) == pytest.approx(6 * 69.5e9 + 12 * 80 * 8192 * 8192, rel=0.02)
+    res = CliRunner().invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "llama-70b.toml"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "layout pp=1 dp=16 tp=8 on 16 node(s) x 8 rank(s)" in res.output and "#SBATCH --nodes=16" in res.output
