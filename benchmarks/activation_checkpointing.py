@@ -1,6 +1,6 @@
 """Activation memory saved for backward and step time with train.ac = none, full and every (k=2), one process.
 
-    python benchmarks/activation_checkpointing.py [--rounds 8] [--steps 2]
+    python benchmarks/activation_checkpointing.py [--rounds 12] [--steps 2] [--budget-s 100]
 
 Memory: one forward (and the loss) of each mode's Trainer model runs under
 torch.autograd.graph.saved_tensors_hooks; every tensor autograd packs is recorded by its storage (deduplicated,
@@ -11,9 +11,11 @@ The sum is what the forward leaves alive for backward: the peak of saved activat
 ends. Under checkpointing backward adds one recomputed block at a time on top (estimated from the largest block
 of the 'none' run and printed beside it).
 
-Time: the three Trainers (same init, same data) alternate rounds of a few steps (none, full, every, ...); best
-and median round per mode; their losses must match step for step. Target: full checkpointing cuts saved
-activation memory by >= 50%; the extra step time is reported as a ratio to 'none'.
+Time: the three Trainers (same init, same data) alternate rounds of a few steps (none, full, every, ...); step
+time ratios to 'none' from the best rounds, the median rounds, and the median of each round's ratio to the 'none'
+round beside it (paired); their losses must match step for step. Target: full checkpointing cuts saved
+activation memory by >= 50%; the extra step time is reported as a ratio to 'none', beside the ratio that FLOP
+counting predicts (one more forward of the checkpointed blocks per step).
 Writes benchmarks/results/activation_checkpointing.json.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +74,7 @@ def saved_activations(tr: Trainer, x: torch.Tensor, y: torch.Tensor) -> dict:
         hooks.append(block.register_forward_pre_hook(lambda m, a, key=key: where.__setitem__(0, f"block {key}")))
         hooks.append(block.register_forward_hook(lambda m, a, o: where.__setitem__(0, "outside blocks")))
         if isinstance(block, CheckpointWrapper):  # its inputs stay alive for the recompute in backward
-            hooks.append(block.register_forward_pre_hook(inputs_kept, prepend=True))
+            hooks.append(block.register_forward_pre_hook(inputs_kept))  # after `where` is set
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
@@ -81,14 +84,14 @@ def saved_activations(tr: Trainer, x: torch.Tensor, y: torch.Tensor) -> dict:
     for nbytes, at, _ in found.values():
         per_block[at] = per_block.get(at, 0) + nbytes
     out = {"total": sum(v[0] for v in found.values()), "num_storages": len(found), "per_region": per_block,
-           "checkpoint_inputs": sum(v[0] for v in found.values() if v[2] == "checkpoint input")}
-    del loss, logits, keep
-    return out
+           "checkpoint_inputs": sum(v[0] for v in found.values() if v[2] == "checkpoint input"),
+           "loss": loss.item()}
+    return out  # the graph (loss) and `keep` go here, freeing what was saved
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=2, help="steps per round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop adding rounds after this (>= 3 rounds)")
@@ -123,16 +126,23 @@ def report(args, cfg, dims, memory: dict, losses: dict, times: dict, threads) ->
     none = memory["none"]["total"]
     blocks = {k: v for k, v in memory["none"]["per_region"].items() if k.startswith("block")}
     largest_block = max(blocks.values())
+    # forward FLOPs per token of one block: 2 per matmul weight plus attention's 4 * dim * seq_len
+    block_fwd = (2 * (dims.num_params(embeddings=False) - (2 * dims.n_layers + 1) * dims.dim) / dims.n_layers
+                 + 4 * dims.dim * cfg.data.seq_len)
+    recomputed = {"none": 0, "full": dims.n_layers, "every": len(range(0, dims.n_layers, cfg.train.ac_every))}
     rows = {}
     for m in MODES:
         best, med = min(times[m]) / args.steps, statistics.median(times[m]) / args.steps
         rows[m] = {"saved_bytes": memory[m]["total"], "checkpoint_input_bytes": memory[m]["checkpoint_inputs"],
                    "saved_vs_none": memory[m]["total"] / none,
                    "backward_peak_est_bytes": memory[m]["total"] + (largest_block if m != "none" else 0),
+                   "time_vs_none_flops": 1 + recomputed[m] * block_fwd / dims.flops_per_token(cfg.data.seq_len),
                    "step_s_best": best, "step_s_median": med, "per_region": memory[m]["per_region"]}
     for m in MODES:
         rows[m]["time_vs_none_best"] = rows[m]["step_s_best"] / rows["none"]["step_s_best"]
         rows[m]["time_vs_none_median"] = rows[m]["step_s_median"] / rows["none"]["step_s_median"]
+        # each round against the 'none' round beside it: cancels drift slower than a round
+        rows[m]["time_vs_none_paired"] = statistics.median(t / n for t, n in zip(times[m], times["none"]))
     loss_diff = {m: max(abs(a - b) for a, b in zip(losses[m], losses["none"])) for m in ("full", "every")}
     checks_ok = all(d <= LOSS_TOL for d in loss_diff.values())
     cut = 1 - rows["full"]["saved_vs_none"]
@@ -141,21 +151,22 @@ def report(args, cfg, dims, memory: dict, losses: dict, times: dict, threads) ->
           f"{dims.n_layers} blocks, batch {cfg.train.micro_batch_size} x {cfg.data.seq_len}; "
           f"{len(times['none'])} alternating rounds of {args.steps} steps; MB = 1e6 bytes")
     print(f"# {'ac':<6} {'saved MB':>9} {'vs none':>7} {'ckpt inputs MB':>14} {'bwd peak est MB':>15} "
-          f"{'step s best':>11} {'step s med':>10} {'time best':>9} {'time med':>8}")
+          f"{'step s best':>11} {'step s med':>10} {'x best':>6} {'x med':>6} {'x pair':>6} {'x FLOP':>6}")
     for m, r in rows.items():
         print(f"  {m:<6} {r['saved_bytes'] / 1e6:>9.2f} {r['saved_vs_none']:>7.3f} "
               f"{r['checkpoint_input_bytes'] / 1e6:>14.2f} {r['backward_peak_est_bytes'] / 1e6:>15.2f} "
-              f"{r['step_s_best']:>11.4f} {r['step_s_median']:>10.4f} {r['time_vs_none_best']:>9.3f} "
-              f"{r['time_vs_none_median']:>8.3f}")
-    print(f"# 'none': largest block saves {largest_block / 1e6:.2f} MB, outside blocks "
-          f"{memory['none']['per_region'].get('outside blocks', 0) / 1e6:.2f} MB (embedding, final norm, logits, loss); "
-          f"bwd peak est = saved + one recomputed block")
+              f"{r['step_s_best']:>11.4f} {r['step_s_median']:>10.4f} {r['time_vs_none_best']:>6.3f} "
+              f"{r['time_vs_none_median']:>6.3f} {r['time_vs_none_paired']:>6.3f} {r['time_vs_none_flops']:>6.3f}")
+    outside = memory["none"]["per_region"].get("outside blocks", 0)
+    print(f"# 'none': largest block saves {largest_block / 1e6:.2f} MB, outside blocks {outside / 1e6:.2f} MB "
+          f"(embedding, final norm, logits, loss); bwd peak est = saved + one recomputed block")
     print(f"# checks: max |loss - loss(none)| full {loss_diff['full']:.2e}, every {loss_diff['every']:.2e} "
           f"(tol {LOSS_TOL:g}, {len(losses['none'])} steps)")
+    x = {m: f"x{rows[m]['time_vs_none_best']:.3f} best, x{rows[m]['time_vs_none_median']:.3f} median, "
+            f"x{rows[m]['time_vs_none_paired']:.3f} paired" for m in ("full", "every")}
     print(f"# full checkpointing cuts saved activations by {cut:.1%} (target >= {TARGET:.0%}: {verdict}); "
-          f"step time x{rows['full']['time_vs_none_best']:.3f} best, x{rows['full']['time_vs_none_median']:.3f} "
-          f"median; every-2 cuts {1 - rows['every']['saved_vs_none']:.1%} for "
-          f"x{rows['every']['time_vs_none_best']:.3f} best")
+          f"step time {x['full']} (FLOPs predict x{rows['full']['time_vs_none_flops']:.3f}); every-2 cuts "
+          f"{1 - rows['every']['saved_vs_none']:.1%} for {x['every']}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "activation_checkpointing.json"
     out.write_text(json.dumps({
@@ -164,6 +175,8 @@ def report(args, cfg, dims, memory: dict, losses: dict, times: dict, threads) ->
         "params": dims.num_params(), "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len,
         "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
     print(f"# wrote {out}")
+    if not checks_ok:
+        sys.exit("check failed: the compared loops do not train the same model on the same data")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks.
+"""`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks: collectives vs
+bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equation, activation checkpointing.
 
-    python benchmarks/run_all.py [--only table,collectives] [--ranks 4]
+    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac] [--ranks 4]
 
-Each step is a separate launch under mpiexec (the venv's, from the mpich wheel, or the site's); outputs go to
-benchmarks/results/. Exits non-zero if a step fails (a wrong collective result included).
+Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
+several ranks; outputs go to benchmarks/results/. Exits non-zero if a step fails (a wrong collective result, or a
+benchmark whose two sides disagree, included).
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
             "--config", str(EXAMPLE), "--set", f"job.run_root={run_root}",
             "-J", str(RESULTS / f"bench-{ranks}ranks.jsonl"), "--plot", str(RESULTS / f"busbw-{ranks}ranks.png")))],
         "collectives": [mpiexec(n, sys.executable, str(HERE / "collectives_vs_bare.py")) for n in (2, 4)],
+        "overhead": [[sys.executable, str(HERE / "train_overhead.py"), "--run-root", run_root]],
+        # a driver: launches itself under mpiexec -n 2 and -n 4
+        "memory": [[sys.executable, str(HERE / "zero_memory.py"), "--run-root", run_root]],
+        "ac": [[sys.executable, str(HERE / "activation_checkpointing.py"), "--run-root", run_root]],
     }
 
 

@@ -195,7 +195,8 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
                 allreduce_grads(model, group)
     elif zero in (0, 1):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, process_group=mesh.group("dp"),
+        # gradients as views into DDP's buckets: no second copy of every gradient (4 bytes/param in fp32)
+        model = DDP(model, process_group=mesh.group("dp"), gradient_as_bucket_view=True,
                     device_ids=[device.index] if device.type == "cuda" else None)
         if low is not None and cfg.train.reduce_dtype == "bf16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

@@ -49,7 +49,7 @@ class Trainer:
         self.optimizer = optim.build_optimizer(self.model, cfg.train, self.lr, zero_group)
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
-        source = data.open_source(cfg.data, self.pm.dims.true_vocab_size)
+        source = data.open_source(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
         self.loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, self.dp_rank, layout.dp,
                                        cfg.train.seed)
         self.step = 0
