@@ -164,9 +164,11 @@ def _buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple
 
 def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _Inputs,
                   world_max: Callable[[float], float], world_sum: Callable[[int], int],
-                  barrier: Callable[[], None]) -> dict[str, Any]:
+                  barrier: Callable[[], None], buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> dict[str, Any]:
+    """Times and checks one placement; `buffers` (send, recv) may be given to reuse memory across calls."""
     dtype = DTYPES[opts.dtype]
-    send, recv = _buffers(coll, ctx, T, dtype, device, opts.backend)
+    send, recv = buffers or _buffers(coll, ctx, T, dtype, device, opts.backend)
     run = coll.run_torch if opts.backend == "torch" else coll.run_mpi
     send.copy_(inputs(ctx.members[ctx.idx], send.numel()))
     for _ in range(opts.warmup):
