@@ -151,6 +151,7 @@ class TrainConfig:
     log_every: int = 10
     profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
     peak_tflops: float = 0.0  # per-rank peak for MFU; 0: measure with the GEMM probe at start
+    resume: str = "auto"  # auto: newest committed checkpoint of the run, if any | none | a checkpoint directory
 
     def __post_init__(self) -> None:
         _positive("train", self, "micro_batch_size", "grad_accum", "log_every", "ac_every")
@@ -187,11 +188,19 @@ class DataConfig:
 class CheckpointConfig:
     """[checkpoint]: sharded HDF5 checkpoints."""
     dir: str = ""  # empty: <run dir>/checkpoints
-    every_steps: int = 0  # 0: only on preemption and at the end
+    every_steps: int = 0  # 0: only on preemption, on demand (touch <run dir>/SAVE_NOW) and at the end
     keep: int = 2
+    async_save: bool = False  # training goes on while shards are written (at most one save in flight)
+    verify: str = "sampled"  # checksums checked at load: full | sampled | none
+    stripe_count: int = 0  # Lustre: lfs setstripe -c on each checkpoint directory (0: leave alone, -1: all OSTs)
+    stripe_size_mb: int = 4
+    at_end: bool = True  # save once more after the last step
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every_steps", allow_zero=True)
+        _positive("checkpoint", self, "stripe_size_mb")
+        _one_of("checkpoint", "verify", self.verify, ("full", "sampled", "none"))
+        _check(self.stripe_count >= -1, f"checkpoint.stripe_count = {self.stripe_count} must be >= -1")
         _check(self.keep >= 2, f"checkpoint.keep = {self.keep} must be >= 2 so one committed checkpoint survives")
 
 

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, metrics, optim, parallelize, session
-from hpctrain.config import Config, load_config
+from hpctrain import data, metrics, optim, parallelize, preempt, session
+from hpctrain.checkpoint import state as ckpt_state
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.config import Config, load_config, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -101,21 +103,76 @@ class Trainer:
         return {"step": self.step, "loss": loss_sum.item() / self.s.mesh.layout.dp, "grad_norm": norm.item(),
                 "lr": lr, "skipped": skipped, "loss_scale": self.scaler.scale}
 
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def _state(self, saved_world: int | None = None) -> dict[str, Any]:
+        world = dist.get_world_size()
+        rng = ckpt_state.rng_table(world) if saved_world is None else torch.zeros(
+            saved_world, torch.get_rng_state().numel(), dtype=torch.uint8)
+        optimizer = (ckpt_state.ZeroOneOptimizerState(self.model, self.optimizer) if self.pm.zero_stage == 1
+                     else ckpt_state.OptimizerState(self.model, self.optimizer))
+        return {"model": ckpt_state.ModelState(self.model), "optimizer": optimizer, "rng": rng}
+
+    def _extra(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "data": self.loader.state_dict(),
+                "world_size": dist.get_world_size()}
+
+    def save(self, mgr: CheckpointManager, asynchronous: bool = False) -> None:
+        layout = self.s.summary.get("layout", {})
+        prov = ckpt_state.provenance(to_dict(self.cfg), layout, self.pm.zero_stage)
+        mgr.save(self.step, self._state(), self._extra(), prov, asynchronous=asynchronous)
+
+    def resume(self, mgr: CheckpointManager) -> int | None:
+        """train.resume: 'auto' takes the newest committed checkpoint of the run, a path takes that one."""
+        r = self.cfg.train.resume
+        if r == "none":
+            return None
+        make = lambda extra: self._state(saved_world=extra["world_size"])  # noqa: E731
+        if r == "auto":
+            found = mgr.load_latest(make)
+            if found is None:
+                return None
+            step, extra, state = found
+        else:
+            extra, state = mgr.load(Path(r), make)
+            step = extra["step"]
+        self.step, self.tokens_seen = extra["step"], extra["tokens_seen"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scaler.load_state_dict(extra["scaler"])
+        self.loader.load_state_dict(extra["data"])
+        same_rng = ckpt_state.restore_rng(state["rng"], self.s.rank)
+        log.info("resumed from step %d (%s world %d -> %d%s)", step, mgr.root, extra["world_size"],
+                 dist.get_world_size(), "" if same_rng else "; RNG of new ranks left as seeded")
+        return step
+
     def fit(self) -> dict[str, Any]:
         t = self.cfg.train
         rank0 = self.s.rank == 0
         mlog = metrics.MetricsLog(self.s.run_dir, rank0, t.steps)
         world = dist.get_world_size()
         peak = t.peak_tflops or metrics.measured_peak_tflops(self.device, parallelize.DTYPES[t.precision])
+        mgr = CheckpointManager(self.cfg.checkpoint, self.s.run_dir, self.s.rank)
+        resumed = self.resume(mgr)
+        flag = preempt.PreemptionFlag()
         profiler = self._profiler()
         last: dict[str, Any] = {}
         losses = []
+        preempted = False
         tick, tokens_at_tick = time.time(), self.tokens_seen
+        every = self.cfg.checkpoint.every_steps
         while self.step < t.steps:
             row = self.train_step()
             losses.append(row["loss"])
             if profiler is not None:
                 profiler.step()
+            stop, save_now = flag.poll(self.device, self._save_requested())  # every rank, same step
+            if stop:
+                mgr.wait()
+                self.save(mgr)
+                preempted = True
+                break
+            if (every and self.step % every == 0 and self.step < t.steps) or save_now:
+                self.save(mgr, asynchronous=self.cfg.checkpoint.async_save)
             if self.step % t.log_every == 0 or self.step in (1, t.steps):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -132,9 +189,26 @@ class Trainer:
                 last = row
         if profiler is not None:
             profiler.stop()
+        mgr.wait()
+        if not preempted and self.cfg.checkpoint.at_end and self.step > (resumed or 0):
+            self.save(mgr)
+        flag.restore()
         mlog.close()
-        return {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
-                "peak_tflops": peak, "tokens_seen": self.tokens_seen}
+        out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
+               "peak_tflops": peak, "tokens_seen": self.tokens_seen, "resumed_from": resumed,
+               "preempted": preempted, "losses": losses}
+        if preempted and self.s.rank == 0:
+            out["requeue"] = preempt.requeue()
+            log.info("preempted at step %d: checkpoint committed, %s", self.step, out["requeue"])
+        return out
+
+    def _save_requested(self) -> bool:
+        """On demand: `touch <run dir>/SAVE_NOW`; rank 0 looks (PreemptionFlag.poll tells everyone)."""
+        marker = self.s.run_dir / "SAVE_NOW"
+        if self.s.rank == 0 and marker.exists():
+            marker.unlink()
+            return True
+        return False
 
     def _profiler(self):
         steps = self.cfg.train.profile_steps

@@ -1,0 +1,120 @@
+"""What a training checkpoint holds, as DCP Stateful objects plus JSON: the model and optimizer through
+torch.distributed.checkpoint.state_dict (sharded, so DCP can reshard them into another layout), every rank's
+RNG state, and the small control state (step, tokens, schedule, loss scale, data position) as JSON.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelState(Stateful):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, sd)
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, sd)
+
+
+class ZeroOneOptimizerState(Stateful):
+    """ZeRO-1 (ZeroRedundancyOptimizer): each rank saves the AdamW state of the parameters it owns, under the
+    same keys get_optimizer_state_dict uses for a whole optimizer ({"state": {fqn: ...}, "param_groups"}), so
+    a checkpoint moves between ZeRO-1 and every other layout."""
+
+    def __init__(self, model: torch.nn.Module, zero) -> None:
+        from hpctrain.parallelize import clean_name
+        self.zero = zero
+        self.names = {p: clean_name(n) for n, p in model.named_parameters()}
+
+    def _owned(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.zero.optim.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {}
+        for p in self._owned():
+            st = self.zero.optim.state.get(p)
+            if not st:  # before the first step: zeros of the right shapes, so a load has places to fill
+                st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                self.zero.optim.state[p] = st
+            state[self.names[p]] = st
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self.names[p] for p in g["params"]]}
+                  for g in self.zero.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for p in self._owned():
+            self.zero.optim.state[p] = dict(sd["state"][self.names[p]])
+        for group, saved in zip(self.zero.param_groups, sd["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def rng_table(world: int) -> torch.Tensor:
+    """Every rank's CPU RNG state as one (world, n) uint8 tensor, the same on all ranks (saved once)."""
+    mine = torch.get_rng_state()
+    table = torch.zeros(world, mine.numel(), dtype=torch.uint8)
+    table[dist.get_rank() if dist.is_initialized() else 0] = mine
+    if dist.is_initialized():
+        dist.all_reduce(table)  # gloo has no uint8 max; exactly one rank fills each row, so a sum is exact
+    return table
+
+
+def restore_rng(table: torch.Tensor, rank: int) -> bool:
+    """This rank's saved RNG state when the saved world had this rank; False otherwise (left as seeded)."""
+    if rank >= table.shape[0]:
+        return False
+    torch.set_rng_state(table[rank].clone())
+    return True
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def provenance(config: dict, layout: dict, zero_stage: int) -> dict[str, Any]:
+    """Where a checkpoint came from: enough to reproduce or audit it."""
+    hosts: list[Any] = [socket.gethostname()]
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        hosts = sorted(set(every))
+    return {
+        "config": config, "layout": layout | {"zero_stage": zero_stage},
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1, "hosts": hosts,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "git_commit": git_commit(),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }

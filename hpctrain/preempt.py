@@ -1,0 +1,60 @@
+"""Preemption: Slurm's warning signal (USR2, as submitit asks sbatch for; SIGTERM where sites send that) sets a
+flag; the ranks agree on it at the next step boundary with one all-reduce, save, and rank 0 requeues the job.
+
+    flag = PreemptionFlag()            # installs the handlers (replacing submitit's USR2 handler)
+    stop, save_now = flag.poll()       # collective: every rank calls it after the same step
+    if stop: ...save, then requeue()...
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class PreemptionFlag:
+    def __init__(self, signals=SIGNALS) -> None:
+        self.received: int | None = None
+        self.previous = {}
+        for sig in signals:
+            self.previous[sig] = signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        # only set a flag: saving inside a signal handler could interleave with a collective in flight
+        if self.received is None:
+            log.warning("received %s: will checkpoint and stop at the next step boundary",
+                        signal.Signals(signum).name)
+        self.received = signum
+
+    def poll(self, device: torch.device | None = None, save_requested: bool = False) -> tuple[bool, bool]:
+        """(stop, save_now), the same on every rank: stop once any rank got a signal, save when any rank was
+        asked to. Collective: every rank calls it after the same step."""
+        t = torch.tensor([1.0 if self.received is not None else 0.0, 1.0 if save_requested else 0.0],
+                         device=device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0].item() > 0), bool(t[1].item() > 0)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def requeue() -> str:
+    """Puts this Slurm job back in the queue (it restarts with the same job id and run directory)."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") and (
+        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}") or os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return "not a Slurm job: nothing to requeue (rerun the same command to resume)"
+    out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if out.returncode:
+        return f"scontrol requeue {job} failed: {out.stderr.strip()}"
+    return f"requeued job {job}"
