@@ -108,6 +108,9 @@ class CheckpointManager:
         self.root = Path(ccfg.dir) if ccfg.dir else Path(run_dir) / "checkpoints"
         self.rank = rank
         self.pending: tuple[int, Future, dict, dict] | None = None  # async save in flight
+        # asynchronous saves run their collectives in a background thread: on a group of their own, or they
+        # would interleave with training's collectives on the default group (a deadlock on gloo)
+        self.async_group = dist.new_group(backend="gloo") if ccfg.async_save and dist.is_initialized() else None
 
     # -- saving -------------------------------------------------------------------------------------------
     def _prepare(self, step: int, need_bytes: int) -> Path:
@@ -146,7 +149,7 @@ class CheckpointManager:
         tmp = self._prepare(step, self._need_bytes(state))
         writer = HDF5Writer(tmp, checksum=True)
         if asynchronous:
-            fut = dcp.async_save(state, storage_writer=writer)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
             self.pending = (step, fut, extra_json, provenance)
             return
         dcp.save(state, storage_writer=writer)
