@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.config import CheckpointConfig
@@ -203,7 +204,8 @@ class CheckpointManager:
             ok, why, extra, state = True, "", {}, {}
             try:
                 extra, state = self.load(path, make_state)
-            except (CheckpointCorrupt, OSError, ValueError, RuntimeError, KeyError) as e:
+            except (CheckpointException, CheckpointCorrupt, OSError, ValueError, RuntimeError, KeyError) as e:
+                # dcp.load wraps storage errors (corrupt or truncated shards) in CheckpointException
                 ok, why = False, f"{type(e).__name__}: {e}"
             flag = torch.tensor([0.0 if ok else 1.0])
             if dist.is_initialized():
