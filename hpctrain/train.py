@@ -119,7 +119,7 @@ class Trainer:
 
     def save(self, mgr: CheckpointManager, asynchronous: bool = False) -> None:
         layout = self.s.summary.get("layout", {})
-        prov = ckpt_state.provenance(to_dict(self.cfg), layout, self.pm.zero_stage)
+        prov = ckpt_state.provenance(to_dict(self.cfg), layout, self.cfg.parallel.zero_stage)
         mgr.save(self.step, self._state(), self._extra(), prov, asynchronous=asynchronous)
 
     def resume(self, mgr: CheckpointManager) -> int | None:
