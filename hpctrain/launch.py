@@ -114,7 +114,8 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
     optional = {"partition": j.partition, "account": j.account, "qos": j.qos, "constraint": j.constraint,
                 "gpus_per_node": j.gpus_per_node or None, "exclusive": j.exclusive or None,
                 "mem": _sbatch_mem(j.mem_gb),
-                "additional_parameters": j.sbatch_extra_dict() or None}
+                # --requeue: preemption requeues the job itself (sites may default to JobRequeue=0)
+                "additional_parameters": {"requeue": True} | j.sbatch_extra_dict()}
     params.update({k: v for k, v in optional.items() if v})
     return params
 

@@ -77,11 +77,13 @@ def test_slurm_parameters_for_gpu_example():
 def test_slurm_parameters_omit_empty_optional_fields():
     params = launch.slurm_parameters(load_config(TINY))
     assert set(params) == {"job_name", "nodes", "ntasks_per_node", "cpus_per_task", "time", "signal_delay_s",
-                           "srun_args", "setup", "stderr_to_stdout"}
+                           "srun_args", "setup", "stderr_to_stdout", "additional_parameters"}
+    assert params["additional_parameters"] == {"requeue": True}  # preemption requeues the job
     assert (params["nodes"], params["ntasks_per_node"], params["time"]) == (2, 2, 20)
     text = launch.render_sbatch(load_config(TINY), FOLDER, python="python3")
     for option in ("--partition", "--account", "--qos", "--constraint", "--gpus", "--exclusive", "--mem"):
         assert f"#SBATCH {option}" not in text
+    assert "#SBATCH --requeue" in text
 
 
 def test_slurm_parameters_mem():
