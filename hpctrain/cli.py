@@ -184,6 +184,87 @@ def plot(run_dir: str, out: str | None) -> None:
     click.echo(plot_training(Path(run_dir), Path(out) if out else None))
 
 
+@main.group(name="ckpt")
+def ckpt_group() -> None:
+    """Checkpoints: list, inspect, verify, export (reads the files; no process group)."""
+
+
+CKPT_ARG = click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
+
+
+@ckpt_group.command(name="ls")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@user_errors
+def ckpt_ls(path: str) -> None:
+    """List a run's checkpoints, newest last.
+
+    PATH is a run directory or its checkpoints directory."""
+    from hpctrain.checkpoint import inspect
+
+    click.echo(inspect.format_listing(*inspect.list_checkpoints(Path(path))))
+
+
+@ckpt_group.command(name="inspect")
+@CKPT_ARG
+@click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
+@user_errors
+def ckpt_inspect(ckpt: str, as_json: bool) -> None:
+    """Show a checkpoint's tensors and provenance.
+
+    Tensors, totals, layout, provenance and train state of CKPT: a step directory, or a run directory for its
+    newest committed checkpoint."""
+    import json
+
+    from hpctrain.checkpoint import inspect
+
+    try:
+        info = inspect.describe(inspect.resolve(Path(ckpt)))
+    except inspect.CheckpointCorrupt as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(info, indent=1) if as_json else inspect.format_description(info))
+
+
+@ckpt_group.command(name="verify")
+@CKPT_ARG
+@click.option("--full", "mode", flag_value="full", default=True, help="Check the crc32 of every dataset (default).")
+@click.option("--sampled", "mode", flag_value="sampled", help="Only the datasets a sampled load checks.")
+@user_errors
+def ckpt_verify(ckpt: str, mode: str) -> None:
+    """Check a checkpoint's files and checksums.
+
+    The COMMITTED marker, file sizes and every dataset's size and crc32 against index.json; prints each problem
+    and exits 1 if there is any."""
+    from hpctrain.checkpoint import inspect
+
+    path = inspect.resolve(Path(ckpt))
+    verdict = inspect.verify(path, mode)
+    click.echo(inspect.format_verdict(path, verdict))
+    if verdict.problems:
+        raise click.exceptions.Exit(1)
+
+
+@ckpt_group.command(name="export")
+@CKPT_ARG
+@click.option("--to", "fmt", required=True, type=click.Choice(["safetensors"]), help="Output format.")
+@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False),
+              help="Output file (default: ./<step directory>.safetensors).")
+@user_errors
+def ckpt_export(ckpt: str, fmt: str, out: str | None) -> None:
+    """Write the model as one file for inference.
+
+    The model tensors of CKPT, assembled from their shards in whatever layout saved them, without the "model."
+    prefix, in their saved dtypes."""
+    from hpctrain.checkpoint import inspect
+
+    path = inspect.resolve(Path(ckpt))
+    try:
+        done = inspect.export_safetensors(path, Path(out or f"{path.name}.{fmt}"))
+    except inspect.CheckpointCorrupt as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{done['path']}: {done['num_tensors']} tensors, {done['params'] / 1e6:.2f}M parameters, "
+               f"{inspect.human_bytes(done['bytes'])} from {path}")
+
+
 @main.group(name="data")
 def data_group() -> None:
     """Token datasets."""

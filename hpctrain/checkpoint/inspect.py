@@ -1,0 +1,350 @@
+"""Checkpoints seen from a login node, with no process group: list a run's checkpoints, describe one, verify its
+bytes, export its model as one safetensors file for inference. What `hpctrain ckpt ...` runs.
+
+    hpctrain ckpt ls runs/tiny-cpu-20261122-025518-a740f3          # or its checkpoints/ directory
+    hpctrain ckpt inspect runs/.../checkpoints/step_00000004 [--json]
+    hpctrain ckpt verify runs/.../checkpoints/step_00000004 [--full|--sampled]
+    hpctrain ckpt export runs/.../checkpoints/step_00000004 --to safetensors [-o model.safetensors]
+
+A run directory in place of a step directory means its newest committed checkpoint. Everything is read from
+index.json (JSON, no pickle), train_state.json, the COMMITTED marker and the HDF5 datasets themselves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections import defaultdict
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, Stored, _check, _crc32, _read
+from hpctrain.checkpoint.manager import EXTRA, MARKER, committed
+
+_STEP_DIR = re.compile(r"step_(\d{8})(\.partial)?")  # manager.step_name, and the temporary name of a save
+MODEL_PREFIX = "model."  # the model's entries in a training checkpoint (train.py's state: model, optimizer, rng)
+# torch dtype name -> safetensors dtype (https://huggingface.co/docs/safetensors, "Format")
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
+    "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+}
+
+
+def human_bytes(n: float) -> str:
+    units = ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# -- ls ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Listing:
+    """One checkpoint directory as `ckpt ls` shows it."""
+    step: int
+    path: Path
+    status: str  # committed | partial (a save in flight or killed) | uncommitted (renamed, marker missing)
+    num_bytes: int
+    num_shards: int
+    marker: dict = field(default_factory=dict)  # the COMMITTED marker: step and provenance
+
+
+def checkpoint_root(path: Path) -> Path:
+    """The directory holding step_* directories: path itself, its checkpoints/, or the run's checkpoint.dir."""
+    if any(_STEP_DIR.fullmatch(p.name) for p in path.iterdir()):
+        return path
+    if (path / "config.toml").is_file():  # a run directory: checkpoint.dir may point elsewhere
+        from hpctrain.config import load_config
+        ckpt_dir = load_config(path / "config.toml").checkpoint.dir
+        if ckpt_dir:
+            return Path(ckpt_dir)
+    return path / "checkpoints"
+
+
+def list_checkpoints(path: Path) -> tuple[Path, list[Listing]]:
+    """(root, its checkpoint directories oldest first); a partial save sorts after a committed one of its step."""
+    root = checkpoint_root(path)
+    out = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _STEP_DIR.fullmatch(p.name)
+        if not (m and p.is_dir()):
+            continue
+        # committed as manager.committed() counts it: the marker file exists
+        status = "partial" if m.group(2) else "committed" if (p / MARKER).is_file() else "uncommitted"
+        marker = _json_or_none(p / MARKER)
+        files = [f for f in p.iterdir() if f.is_file()]
+        out.append(Listing(int(m.group(1)), p, status, sum(f.stat().st_size for f in files),
+                           sum(f.name.startswith("shard-") and f.suffix == ".h5" for f in files), marker or {}))
+    return root, sorted(out, key=lambda c: (c.step, c.status != "committed", c.path.name))
+
+
+def format_layout(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
+
+
+def format_listing(root: Path, rows: list[Listing]) -> str:
+    if not rows:
+        return f"no checkpoints in {root}" + ("" if root.is_dir() else " (no such directory)")
+    table = [("step", "status", "size", "shards", "saved_at", "world", "layout")]
+    for c in rows:
+        table.append((str(c.step), c.status, human_bytes(c.num_bytes), str(c.num_shards),
+                      c.marker.get("saved_at", "-"), str(c.marker.get("world_size", "-")),
+                      format_layout(c.marker.get("layout", {}))))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]
+    return f"{root}\n" + "\n".join(line.rstrip() for line in lines)
+
+
+# -- inspect ----------------------------------------------------------------------------------------------------
+
+def resolve(path: Path) -> Path:
+    """A step directory as given, or the newest committed checkpoint of a run or checkpoints directory."""
+    if _STEP_DIR.fullmatch(path.name) or (path / INDEX).is_file():
+        return path
+    done = committed(checkpoint_root(path))
+    if not done:
+        raise ValueError(f"{path} is not a checkpoint (no {INDEX}) and holds no committed checkpoint")
+    return done[-1][1]
+
+
+def read_index(ckpt: Path) -> tuple[HDF5Reader, Metadata]:
+    """index.json through the loader's own reader (format checked, no pickle); CheckpointCorrupt if unusable."""
+    reader = HDF5Reader(ckpt, verify="full")
+    return reader, reader.read_metadata()
+
+
+def describe(ckpt: Path) -> dict[str, Any]:
+    """What a checkpoint holds, as JSON-ready data: tensors, totals, files, layout, provenance, train state."""
+    _, md = read_index(ckpt)
+    marker = _json_or_none(ckpt / MARKER)
+    extra = _json_or_none(ckpt / EXTRA) or {}
+    files: dict[str, int] = {}
+    stored_bytes = 0
+    for s in md.storage_data.values():
+        files[s.file] = s.file_bytes
+        stored_bytes += s.nbytes
+    tensors, other = [], []
+    params = model_bytes = 0
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not isinstance(tmd, TensorStorageMetadata):
+            other.append(fqn)
+            continue
+        numel = tmd.size.numel()
+        nbytes = numel * tmd.properties.dtype.itemsize
+        tensors.append({"fqn": fqn, "shape": list(tmd.size), "dtype": str(tmd.properties.dtype).removeprefix(
+            "torch."), "num_shards": len(tmd.chunks), "bytes": nbytes})
+        if fqn.startswith(MODEL_PREFIX):
+            params, model_bytes = params + numel, model_bytes + nbytes
+    prov = {k: v for k, v in (marker or {}).items() if k not in ("step", "config", "layout", "world_size")}
+    return {
+        "path": str(ckpt), "committed": marker is not None,
+        "step": extra.get("step", (marker or {}).get("step")), "tokens_seen": extra.get("tokens_seen"),
+        "layout": (marker or {}).get("layout", {}), "world_size": (marker or {}).get("world_size"),
+        "provenance": prov, "files": dict(sorted(files.items())),
+        "totals": {"params": params, "model_bytes": model_bytes, "num_tensors": len(tensors),
+                   "num_other": len(other), "stored_bytes": stored_bytes, "file_bytes": sum(files.values())},
+        "tensors": tensors, "other": other, "train_state": extra,
+        "config": (marker or {}).get("config", {}),
+    }
+
+
+def format_description(info: dict[str, Any]) -> str:
+    t, prov = info["totals"], info["provenance"]
+    lines = [
+        f"checkpoint  {info['path']} ({'committed' if info['committed'] else 'NOT committed'})",
+        f"step        {info['step']}, tokens seen {info['tokens_seen']}",
+        f"layout      {format_layout(info['layout'])}, world size {info['world_size']}, "
+        f"hosts {','.join(prov.get('hosts', [])) or '-'}",
+        f"saved       {prov.get('saved_at', '-')}, slurm job {prov.get('slurm_job_id') or '-'}, "
+        f"git {prov.get('git_commit', '-')}, torch {prov.get('torch', '-')}",
+        f"model       {t['params'] / 1e6:.2f}M parameters, {human_bytes(t['model_bytes'])}",
+        f"stored      {t['num_tensors']} tensors and {t['num_other']} other values, "
+        f"{human_bytes(t['stored_bytes'])} in {len(info['files'])} shard files ({human_bytes(t['file_bytes'])})",
+        "",
+    ]
+    rows = [("fqn", "shape", "dtype", "shards")] + [
+        (x["fqn"], "[" + ", ".join(map(str, x["shape"])) + "]", x["dtype"], str(x["num_shards"]))
+        for x in info["tensors"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] for r in rows]
+    return "\n".join(lines)
+
+
+# -- verify -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    problems: list[str] = field(default_factory=list)
+    num_datasets: int = 0
+    num_hashed: int = 0
+    bytes_hashed: int = 0
+    unchecksummed: int = 0  # datasets saved without a crc32 (HDF5Writer(checksum=False))
+
+
+def verify(ckpt: Path, mode: str = "full") -> Verdict:
+    """Every problem of a checkpoint: marker, index, file sizes, datasets present with the indexed size and, in
+    mode "full" (every dataset) or "sampled" (the subset HDF5Reader(verify="sampled") checks), their crc32."""
+    v = Verdict()
+    marker = _json_or_none(ckpt / MARKER)
+    step = _STEP_DIR.fullmatch(ckpt.name)
+    if marker is None:
+        v.problems.append(str(CheckpointCorrupt(ckpt / MARKER, None, "missing or not JSON: never committed")))
+    elif step and marker.get("step") != int(step.group(1)):
+        v.problems.append(str(CheckpointCorrupt(ckpt / MARKER, None, f"step {marker.get('step')} in a "
+                                                                     f"directory of step {int(step.group(1))}")))
+    if _json_or_none(ckpt / EXTRA) is None:
+        v.problems.append(str(CheckpointCorrupt(ckpt / EXTRA, None, "missing or not JSON")))
+    reader = HDF5Reader(ckpt, verify=mode)
+    try:
+        md = reader.read_metadata()
+    except CheckpointCorrupt as e:
+        v.problems.append(str(e))
+        return v
+    by_file: dict[str, list[Stored]] = defaultdict(list)
+    for s in md.storage_data.values():
+        by_file[s.file].append(s)
+    for name, items in sorted(by_file.items()):
+        v.num_datasets += len(items)
+        try:
+            f = reader._open(name, items[0].file_bytes)  # checks presence and size first
+        except CheckpointCorrupt as e:
+            v.problems.append(f"{e} ({len(items)} datasets not checked)")
+            continue
+        with f:
+            for s in items:
+                try:
+                    _verify_dataset(f, ckpt, s, reader.verifies(s.file, s.dataset), v)
+                except CheckpointCorrupt as e:
+                    v.problems.append(str(e))
+    return v
+
+
+def format_verdict(ckpt: Path, v: Verdict) -> str:
+    """One line per problem, or one OK line."""
+    if v.problems:
+        return "\n".join(v.problems)
+    return (f"OK {ckpt}: {v.num_datasets} datasets, crc32 of {v.num_hashed} ({human_bytes(v.bytes_hashed)})"
+            + (f", {v.unchecksummed} saved without crc32" if v.unchecksummed else ""))
+
+
+def _verify_dataset(f: h5py.File, ckpt: Path, s: Stored, hash_it: bool, v: Verdict) -> None:
+    where = (ckpt / s.file, s.dataset)
+    try:
+        ds = f[s.dataset]
+    except KeyError:
+        raise CheckpointCorrupt(*where, "missing from the file") from None
+    nbytes = ds.size * ds.dtype.itemsize
+    if nbytes != s.nbytes:
+        raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {s.nbytes}")
+    if s.crc32 is None:
+        v.unchecksummed += 1
+    elif hash_it:
+        _check(_crc32(_read(ds, where)), s, where)
+        v.num_hashed += 1
+        v.bytes_hashed += nbytes
+
+
+# -- export -----------------------------------------------------------------------------------------------------
+
+def export_safetensors(ckpt: Path, out: Path) -> dict[str, Any]:
+    """The model's full tensors (FQNs under "model.", prefix dropped) assembled from their shards into one
+    safetensors file, written through a temporary name. Every dataset read is checked against its crc32."""
+    reader, md = read_index(ckpt)
+    pieces: dict[str, list[tuple[tuple[int, ...], Stored]]] = defaultdict(list)
+    for index, s in md.storage_data.items():
+        pieces[index.fqn].append((tuple(index.offset or ()), s))
+    model = [(fqn, tmd) for fqn, tmd in md.state_dict_metadata.items()
+             if fqn.startswith(MODEL_PREFIX) and isinstance(tmd, TensorStorageMetadata)]
+    if not model:
+        raise ValueError(f"{ckpt} holds no tensors under {MODEL_PREFIX!r}: nothing to export")
+    # widest items first, so every tensor starts aligned to its item size (the header is padded to 8 bytes)
+    model.sort(key=lambda x: -x[1].properties.dtype.itemsize)
+    header, data_bytes = _safetensors_header(ckpt, model)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        _write_safetensors(tmp, header, data_bytes, reader, ckpt, model, pieces)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    return {"path": str(out), "num_tensors": len(model), "bytes": out.stat().st_size,
+            "params": sum(tmd.size.numel() for _, tmd in model)}
+
+
+def _safetensors_header(ckpt: Path, model: list[tuple[str, TensorStorageMetadata]]) -> tuple[bytes, int]:
+    """The JSON header (tensors in the given order, back to back) and the size of the data after it."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for fqn, tmd in model:
+        dtype = str(tmd.properties.dtype).removeprefix("torch.")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{fqn} has dtype {dtype}, which safetensors cannot hold")
+        nbytes = tmd.size.numel() * tmd.properties.dtype.itemsize
+        header[fqn.removeprefix(MODEL_PREFIX)] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(tmd.size),
+                                                  "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    marker = _json_or_none(ckpt / MARKER) or {}
+    meta = {"format": "pt", "source": str(ckpt.absolute()), "step": marker.get("step", ""),
+            "git_commit": marker.get("git_commit", ""), "saved_at": marker.get("saved_at", "")}
+    header["__metadata__"] = {k: str(v) for k, v in meta.items()}
+    text = json.dumps(header, separators=(",", ":")).encode("ascii")
+    return text + b" " * (-len(text) % 8), offset
+
+
+def _write_safetensors(tmp: Path, header: bytes, data_bytes: int, reader: HDF5Reader, ckpt: Path,
+                       model: list, pieces: dict) -> None:
+    with ExitStack() as files, open(tmp, "wb") as fh:
+        opened: dict[str, h5py.File] = {}
+
+        def open_file(s: Stored) -> h5py.File:
+            if s.file not in opened:
+                opened[s.file] = files.enter_context(reader._open(s.file, s.file_bytes))
+            return opened[s.file]
+
+        fh.write(struct.pack("<Q", len(header)) + header)
+        for fqn, tmd in model:
+            arr = _assemble(ckpt, fqn, tuple(tmd.size), pieces[fqn], open_file)
+            fh.write(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+        assert fh.tell() == 8 + len(header) + data_bytes, (fh.tell(), len(header), data_bytes)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_file) -> np.ndarray:
+    """One tensor's full value from its shards: each dataset lands at its offsets; the shards must tile it."""
+    full: np.ndarray | None = None
+    covered = 0
+    for offsets, s in pieces:
+        where = (ckpt / s.file, s.dataset)
+        try:
+            ds = open_file(s)[s.dataset]
+        except KeyError:
+            raise CheckpointCorrupt(*where, "missing from the file") from None
+        arr = _read(ds, where)  # raw bits for bfloat16 and float8 (uint16/uint8)
+        if s.crc32 is not None:
+            _check(_crc32(arr), s, where)
+        if full is None:
+            full = np.empty(size, dtype=arr.dtype)
+        full[tuple(slice(o, o + n) for o, n in zip(offsets, arr.shape))] = arr
+        covered += arr.size
+    numel = int(np.prod(size))
+    if covered != numel:  # DCP writes each element once: fewer means lost shards, more means overlap
+        raise CheckpointCorrupt(ckpt / INDEX, None, f"{fqn}: shards hold {covered} of {numel} elements")
+    return full if full is not None else np.empty(size, dtype=np.uint8)
