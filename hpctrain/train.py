@@ -12,6 +12,7 @@ Rank 0 writes metrics.jsonl and summary.json into the run directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from hpctrain import data, metrics, optim, parallelize, preempt, session
 from hpctrain.checkpoint import state as ckpt_state
-from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.checkpoint.manager import MARKER, CheckpointManager, committed
 from hpctrain.config import Config, load_config, to_dict
 
 log = logging.getLogger(__name__)
@@ -123,25 +124,36 @@ class Trainer:
         mgr.save(self.step, self._state(), self._extra(), prov, asynchronous=asynchronous)
 
     def resume(self, mgr: CheckpointManager) -> int | None:
-        """train.resume: 'auto' takes the newest committed checkpoint of the run, a path takes that one."""
+        """train.resume: 'auto' takes the newest committed checkpoint of this run; a path names one checkpoint
+        (step_NNNNNNNN), or a checkpoints directory or another run's directory, whose newest committed one is
+        taken (e.g. after a crash, in a new job)."""
         r = self.cfg.train.resume
         if r == "none":
             return None
         make = lambda extra: self._state(saved_world=extra["world_size"])  # noqa: E731
-        if r == "auto":
-            found = mgr.load_latest(make)
-            if found is None:
-                return None
-            step, extra, state = found
-        else:
+        source = mgr
+        if r != "auto" and (Path(r) / MARKER).is_file():
             extra, state = mgr.load(Path(r), make)
             step = extra["step"]
+        else:
+            if r != "auto":
+                root = Path(r) / "checkpoints" if (Path(r) / "checkpoints").is_dir() else Path(r)
+                if not committed(root):
+                    raise ValueError(f"train.resume = {r!r}: no committed checkpoint there")
+                source = CheckpointManager(dataclasses.replace(self.cfg.checkpoint, dir=str(root)),
+                                           self.s.run_dir, self.s.rank)
+            found = source.load_latest(make)
+            if found is None:
+                if r != "auto":
+                    raise ValueError(f"train.resume = {r!r}: no checkpoint there loads cleanly")
+                return None
+            step, extra, state = found
         self.step, self.tokens_seen = extra["step"], extra["tokens_seen"]
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])
         self.loader.load_state_dict(extra["data"])
         same_rng = ckpt_state.restore_rng(state["rng"], self.s.rank)
-        log.info("resumed from step %d (%s world %d -> %d%s)", step, mgr.root, extra["world_size"],
+        log.info("resumed from step %d (%s world %d -> %d%s)", step, source.root, extra["world_size"],
                  dist.get_world_size(), "" if same_rng else "; RNG of new ranks left as seeded")
         return step
 
