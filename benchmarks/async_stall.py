@@ -1,0 +1,300 @@
+"""How long a training loop is blocked by an asynchronous checkpoint save vs a synchronous one, with hpctrain's real
+Trainer and CheckpointManager (HDF5 storage through torch.distributed.checkpoint).
+
+    python benchmarks/async_stall.py [--ranks 1,2]   # driver: launches itself under mpiexec -n 1, then -n 2
+    mpiexec -n 2 python benchmarks/async_stall.py    # one world size
+
+A ~50M-parameter fp32 model (0.2 GB of weights, 0.6 GB with AdamW's two moments) trains on synthetic data. Each
+round has a synchronous and an asynchronous save (which goes first alternates), each after a few plain steps that
+give the round's baseline step time. For each save, from the training thread:
+  stall      wall time inside Trainer.save(mgr, asynchronous=...), the call the training loop makes (state dicts,
+             RNG table, provenance, then CheckpointManager.save); `mgr.save` is the part inside the manager
+  written    async only: from the call until the background write finished (its future done, every rank)
+  committed  async only: until CheckpointManager.wait() returned (rename, train_state.json, COMMITTED marker),
+             called here at the first step boundary after every rank's write finished (Trainer.fit() itself
+             calls it only at its next save or at the end)
+  staging    async only: DCP's copy of the state (dcp.async_save's default stager), part of the stall
+  overlap    async only: the steps that ran while the write went on; their median step time against the round's
+             baseline (inflation), and the extra seconds they took in all (sum - count x baseline)
+Times are the slowest rank's. Target: asynchronous stall <= 10% of the synchronous save, median over rounds of
+each round's ratio. Every checkpoint is checked committed (COMMITTED marker, step as saved). Checkpoints go to a
+directory under /tmp that is removed at the end. Writes benchmarks/results/async_stall-<n>ranks.json; the driver
+also benchmarks/results/async_stall.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+TARGET = 0.10
+# 50.2M parameters (vocab 8192, dim 640, ffn 1728, 8 layers); a step of 1 x 64 tokens is ~0.2-0.4 s here
+CASE = ["model.vocab_size=8192", "model.dim=640", "model.n_layers=8", "model.n_heads=10", "model.max_seq_len=64",
+        "data.source=synthetic", "data.seq_len=64", "train.micro_batch_size=1", "train.steps=100000",
+        "train.warmup_steps=0", "train.peak_tflops=1", "parallel.pp=1", "parallel.tp=1", "parallel.dp=-1",
+        "checkpoint.async_save=true", "checkpoint.keep=2", "job.name=bench-async-stall"]
+
+
+class Clock:
+    """Wall times of the slowest rank."""
+
+    def __init__(self, dist, torch) -> None:
+        self.dist, self.torch = dist, torch
+
+    def max(self, x: float) -> float:
+        t = self.torch.tensor([x], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.item()
+
+    def all(self, flag: bool) -> bool:
+        t = self.torch.tensor([1.0 if flag else 0.0])
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
+        return t.item() == 1.0
+
+
+def timed_step(tr, clock: Clock) -> float:
+    t0 = time.perf_counter()
+    tr.train_step()  # ends in an all-reduce of the loss: ranks leave it together
+    return clock.max(time.perf_counter() - t0)
+
+
+def one_save(tr, mgr, clock: Clock, asynchronous: bool, base_steps: int, inner: dict) -> dict:
+    """Baseline steps, then one save; for an async save, steps until the write is done, then wait()."""
+    base = [timed_step(tr, clock) for _ in range(base_steps)]
+    step = tr.step
+    for v in inner.values():
+        v.clear()
+    t0 = time.perf_counter()
+    tr.save(mgr, asynchronous=asynchronous)
+    stall = time.perf_counter() - t0
+    row = {"mode": "async" if asynchronous else "sync", "step": step, "baseline_steps_s": base,
+           "stall_s": clock.max(stall), "mgr_save_s": clock.max(sum(inner["mgr_save"])),
+           "staging_s": clock.max(sum(inner["staging"]))}
+    if asynchronous:
+        done_at: list[float] = []
+        fut = mgr.pending[1]
+        fut.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+        overlap = []
+        while not clock.all(fut.done()):  # every rank takes the same number of steps
+            overlap.append(timed_step(tr, clock))
+            if len(overlap) > 500:
+                raise RuntimeError("background save did not finish in 500 steps")
+        while not done_at:  # the callback runs just after done() turns true
+            time.sleep(0.001)
+        t_wait = time.perf_counter()
+        mgr.wait()
+        t_end = time.perf_counter()
+        b = statistics.median(base)
+        row.update(written_s=clock.max(done_at[0] - t0), committed_s=clock.max(t_end - t0),
+                   wait_s=clock.max(t_end - t_wait), overlap_steps_s=overlap,
+                   overlap_inflation=statistics.median(overlap) / b if overlap else None,
+                   overlap_extra_s=sum(overlap) - len(overlap) * b)
+    done = mgr.root / f"step_{step:08d}" / "COMMITTED"
+    row["committed_ok"] = clock.all(mgr.rank != 0 or (done.is_file() and json.loads(done.read_text())["step"] == step))
+    return row
+
+
+def timing(fn, into: list[float]):
+    """fn, appending the seconds of each call to `into`: instruments the real code without changing it."""
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            into.append(time.perf_counter() - t0)
+    return timed
+
+
+def staging_costs(tr, clock: Clock) -> dict:
+    """What-if: DCP's default staging (what CheckpointManager gets from dcp.async_save) deep-copies the state into
+    newly allocated memory on every save; a stager kept across saves copies into the previous save's buffers."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    sd = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in tr._state().items()}
+    kept = DefaultStager(StagingOptions(False, False, False, False))  # CPU: no pinning, sharing or streams
+    out = {}
+    for name in ("first_copy_s", "kept_stager_copy_s"):
+        t0 = time.perf_counter()
+        kept.stage(sd)
+        out[name] = clock.max(time.perf_counter() - t0)
+    kept.close()
+    return out
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import staging
+
+    from hpctrain import session
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.config import load_config
+    from hpctrain.train import Trainer
+
+    cfg = load_config(None, CASE + [f"job.run_root={args.run_root}", f"parallel.zero_stage={args.zero}"])
+    with session.start(cfg) as s:
+        n, rank = dist.get_world_size(), dist.get_rank()
+        clock = Clock(dist, torch)
+        box = [tempfile.mkdtemp(prefix="hpctrain-async-stall-", dir=args.tmp) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        root = Path(box[0])
+        try:
+            tr = Trainer(cfg, s)
+            mgr = CheckpointManager(dataclasses.replace(cfg.checkpoint, dir=str(root)), s.run_dir, rank)
+            # the stall's parts: the manager's share, and inside it DCP's staging copy (async saves only)
+            inner: dict[str, list[float]] = {"mgr_save": [], "staging": []}
+            mgr.save = timing(mgr.save, inner["mgr_save"])
+            staging.DefaultStager.stage = timing(staging.DefaultStager.stage, inner["staging"])
+            num_params = tr.pm.dims.num_params()
+            state_gb = 3 * 4 * num_params / 1e9
+            if rank == 0:
+                print(f"# {num_params / 1e6:.1f}M parameters, {state_gb:.2f} GB of fp32 weights + AdamW moments, "
+                      f"{n} rank(s), zero {tr.pm.zero_stage if n > 1 else '-'}, {s.summary['cpu_threads_per_rank']} "
+                      f"threads/rank; checkpoints in {root}", flush=True)
+            for _ in range(2):
+                tr.train_step()
+            for asynchronous in (False, True):  # first-call costs (imports, planner caches), untimed
+                one_save(tr, mgr, clock, asynchronous, 1, inner)
+            rows = []
+            for r in range(args.rounds):
+                for asynchronous in ((False, True) if r % 2 == 0 else (True, False)):
+                    row = one_save(tr, mgr, clock, asynchronous, args.base_steps, inner)
+                    row["round"] = r
+                    rows.append(row)
+                    if rank == 0:
+                        print(f"  round {r} {row['mode']:<5}: stall {row['stall_s']:.3f} s" + (
+                            f", written {row['written_s']:.2f} s, committed {row['committed_s']:.2f} s, "
+                            f"{len(row['overlap_steps_s'])} steps overlapped"
+                            if asynchronous else ""), flush=True)
+            mgr.wait()
+            what_if = staging_costs(tr, clock)
+        finally:
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+        if rank == 0:
+            doc = summarise(rows, n, num_params, state_gb, tr.pm.zero_stage, s.summary["cpu_threads_per_rank"])
+            doc["staging_what_if"] = what_if
+            report(doc)
+            RESULTS.mkdir(exist_ok=True)
+            out = RESULTS / f"async_stall-{n}ranks.json"
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"# wrote {out}", flush=True)
+        if not all(r["committed_ok"] for r in rows):
+            sys.exit("async_stall: a save did not end committed")
+
+
+def summarise(rows: list[dict], n: int, num_params: int, state_gb: float, zero: int, threads: int) -> dict:
+    import torch
+    med = statistics.median
+    sync = {r["round"]: r for r in rows if r["mode"] == "sync"}
+    asy = {r["round"]: r for r in rows if r["mode"] == "async"}
+    rounds = sorted(set(sync) & set(asy))
+    ratio = [asy[k]["stall_s"] / sync[k]["stall_s"] for k in rounds]
+    base = [b for r in rows for b in r["baseline_steps_s"]]
+    overlap = [s for r in asy.values() for s in r["overlap_steps_s"]]
+    summary = {
+        "sync_stall_s": med(r["stall_s"] for r in sync.values()),
+        "sync_mgr_save_s": med(r["mgr_save_s"] for r in sync.values()),
+        "async_stall_s": med(r["stall_s"] for r in asy.values()),
+        "async_mgr_save_s": med(r["mgr_save_s"] for r in asy.values()),
+        "async_staging_s": med(r["staging_s"] for r in asy.values()),
+        "async_written_s": med(r["written_s"] for r in asy.values()),
+        "async_committed_s": med(r["committed_s"] for r in asy.values()),
+        "async_wait_s": med(r["wait_s"] for r in asy.values()),
+        "overlap_steps_per_save": med(len(r["overlap_steps_s"]) for r in asy.values()),
+        "baseline_step_s": med(base), "overlap_step_s": med(overlap) if overlap else None,
+        "overlap_inflation": med(r["overlap_inflation"] for r in asy.values() if r["overlap_inflation"]),
+        "overlap_extra_s": med(r["overlap_extra_s"] for r in asy.values()),
+        "stall_ratio": med(ratio), "stall_ratios": ratio,
+    }
+    summary["async_cost_s"] = summary["async_stall_s"] + summary["overlap_extra_s"]
+    summary["sync_write_gbs"] = state_gb / summary["sync_stall_s"]
+    verdict = "MET" if summary["stall_ratio"] <= TARGET else "NOT MET"
+    return {"nranks": n, "num_params": num_params, "state_gb": state_gb, "zero_stage": zero if n > 1 else None,
+            "threads_per_rank": threads, "rounds": len(rounds), "summary": summary, "target": TARGET,
+            "verdict": verdict, "all_committed": all(r["committed_ok"] for r in rows), "rows": rows,
+            "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def report(doc: dict) -> None:
+    s = doc["summary"]
+    print(f"# checkpoint stall, {doc['nranks']} rank(s), {doc['num_params'] / 1e6:.1f}M params, "
+          f"{doc['state_gb']:.2f} GB state, {doc['rounds']} rounds (sync and async alternate first); medians, "
+          f"slowest rank")
+    print(f"  sync  save: stall {s['sync_stall_s']:.3f} s (CheckpointManager.save {s['sync_mgr_save_s']:.3f} s), "
+          f"{s['sync_write_gbs']:.2f} GB/s end to end")
+    print(f"  async save: stall {s['async_stall_s']:.3f} s (CheckpointManager.save {s['async_mgr_save_s']:.3f} s); "
+          f"written after {s['async_written_s']:.2f} s, committed after {s['async_committed_s']:.2f} s "
+          f"(wait() {s['async_wait_s']:.3f} s)")
+    print(f"  steps overlapping the write: {s['overlap_steps_per_save']:.0f} per save, "
+          f"{s['overlap_step_s'] or 0:.3f} s vs baseline {s['baseline_step_s']:.3f} s "
+          f"(inflation x{s['overlap_inflation']:.2f}, +{s['overlap_extra_s']:.2f} s per save); async stall + that "
+          f"extra = {s['async_cost_s']:.2f} s vs sync {s['sync_stall_s']:.2f} s")
+    print(f"# {doc['nranks']} rank(s): async stall / sync stall = {s['stall_ratio']:.3f} (per round: "
+          f"{', '.join(f'{x:.3f}' for x in s['stall_ratios'])}; target <= {TARGET}: {doc['verdict']}); "
+          f"every save committed: {doc['all_committed']}")
+    st = doc["staging_what_if"]
+    print(f"# async stall = {s['async_stall_s']:.3f} s: Trainer.save around the manager "
+          f"{s['async_stall_s'] - s['async_mgr_save_s']:.3f} s, CheckpointManager.save before DCP's staging "
+          f"{s['async_mgr_save_s'] - s['async_staging_s']:.3f} s, DCP's staging copy into new memory "
+          f"{s['async_staging_s']:.3f} s; the same copy into a stager's buffers kept from a previous save "
+          f"{st['kept_stager_copy_s']:.3f} s (first copy {st['first_copy_s']:.3f} s)")
+
+
+def mpiexec() -> str:
+    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
+    return exe
+
+
+def driver(args, argv: list[str]) -> None:
+    worlds = {}
+    for n in args.ranks:
+        cmd = [mpiexec(), "-n", str(n), sys.executable, str(Path(__file__).resolve()), *argv]
+        print(f"=== {' '.join(cmd)}", flush=True)
+        if subprocess.call(cmd, cwd=HERE.parent):
+            sys.exit(f"async_stall failed on {n} ranks")
+        worlds[n] = json.loads((RESULTS / f"async_stall-{n}ranks.json").read_text())
+    for n, w in worlds.items():
+        s = w["summary"]
+        print(f"  n={n}: sync stall {s['sync_stall_s']:.3f} s, async stall {s['async_stall_s']:.3f} s "
+              f"(ratio {s['stall_ratio']:.3f}), committed after {s['async_committed_s']:.2f} s, overlap inflation "
+              f"x{s['overlap_inflation']:.2f} (+{s['overlap_extra_s']:.2f} s)")
+    misses = [f"n={n} {w['summary']['stall_ratio']:.3f}" for n, w in worlds.items() if w["verdict"] != "MET"]
+    verdict = "MET" if not misses else "NOT MET"
+    print(f"# async stall <= {TARGET} x sync save at every world size: {verdict}"
+          + (f"; missed: {'; '.join(misses)}" if misses else ""))
+    out = RESULTS / "async_stall.json"
+    out.write_text(json.dumps({"verdict": verdict, "missed": misses, "target": TARGET,
+                               "worlds": {str(k): w for k, w in worlds.items()}}, indent=1) + "\n")
+    print(f"# wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", default="1,2", help="driver: world sizes to launch")
+    ap.add_argument("--rounds", type=int, default=3, help="~25 s each here on one rank, ~30 s on two")
+    ap.add_argument("--base-steps", type=int, default=3, help="plain steps before each save (its baseline)")
+    ap.add_argument("--zero", type=int, default=3, help="ZeRO stage on more than one rank (3: sharded state)")
+    ap.add_argument("--tmp", default="/tmp", help="where checkpoints go (a directory made and removed here)")
+    ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
+    args = ap.parse_args()
+    from hpctrain import rendezvous
+    if rendezvous.detect_launcher() == "single":
+        args.ranks = [int(n) for n in args.ranks.split(",")]
+        driver(args, sys.argv[1:])
+    else:
+        worker(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Checkpoint save and load throughput: hpctrain's HDF5 storage vs DCP's FileSystemWriter/Reader vs torch.save/load
+on the same ~1 GB fp32 state, with `dd conv=fsync` timed in the same run as the disk's reference.
+
+    python benchmarks/checkpoint_io.py [--ranks 1,2,4] [--rounds 3] [--systems hdf5,dcp,torch,dd]
+                                                    # driver: launches itself under mpiexec -n 1, 2, 4
+    mpiexec -n 2 python benchmarks/checkpoint_io.py     # one world size
+
+The state is shaped like a 0.25B-parameter transformer: 2 large tensors (embedding, output: 131 MB each), 98
+middle ones (14 layers x 7 matrices, 4-12 MB), 127 small ones (norms, biases: 4-256 KB) and 16 scalars. On N
+ranks it is sharded like FSDP: every tensor with a dim 0 is a DTensor Shard(0), each rank holding 1/N; the
+scalars are replicated and written once. Systems (`SYSTEMS`), each timed from a barrier to the slowest rank's end:
+  hdf5        dcp.save/load with hpctrain's HDF5Writer(checksum=True) / HDF5Reader(verify="sampled"), as
+              CheckpointManager runs them
+  hdf5_nocrc  on request only: the same without checksums (HDF5Writer(checksum=False), verify="none")
+  dcp         dcp.save/load with FileSystemWriter/FileSystemReader, torch's defaults (a file per rank, fsync, 1
+              thread, no checksum)
+  torch       torch.save of each rank's local shard to a file of its own, flush, os.fsync; torch.load of it
+  dd          rank 0 alone: dd if=/dev/zero bs=4M count=256 conv=fsync (1 GiB), then dd of=/dev/null to read it
+Every save ends durable. Before every load the files are fsynced and dropped from the page cache with
+posix_fadvise(DONTNEED) per file (only ours: drop_caches would also empty the cache of whoever else works on this
+machine); fincore confirms what stayed resident. Loads land in zeroed tensors (torch.load: its own new ones) and
+are checked equal to what was saved. The systems go in rotating order, a different one first in each round; the
+ratios are medians over rounds of each round's ratio, so drift on this shared machine cancels within a round.
+Targets: HDF5/DCP >= 1.0 on save and on load, HDF5 save / dd >= 0.7, at every world size. One round takes
+~10-25 s here (the disk is shared), all three world sizes ~3 minutes. Writes
+benchmarks/results/checkpoint_io-<n>ranks.json; the driver also benchmarks/results/checkpoint_io.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEFAULT_SYSTEMS = "hdf5,dcp,torch,dd"  # hdf5_nocrc on request (--systems): ~4 s more per round
+TARGETS = {"save_hdf5_vs_dcp": 1.0, "load_hdf5_vs_dcp": 1.0, "save_hdf5_vs_dd": 0.7}
+DD_BYTES = 256 * (4 << 20)
+
+
+def specs() -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of the state: 0.99 GB of fp32 in 243 tensors."""
+    dim, ffn, vocab = 1024, 2816, 32000
+    out = [("tok_embeddings.weight", (vocab, dim)), ("output.weight", (vocab, dim)), ("norm.weight", (dim,))]
+    for i in range(14):
+        p = f"layers.{i}."
+        out += [(f"{p}attention.{w}.weight", (dim, dim)) for w in ("wq", "wk", "wv", "wo")]
+        out += [(f"{p}feed_forward.w1.weight", (ffn, dim)), (f"{p}feed_forward.w3.weight", (ffn, dim)),
+                (f"{p}feed_forward.w2.weight", (dim, ffn))]
+        out += [(f"{p}attention_norm.weight", (dim,)), (f"{p}ffn_norm.weight", (dim,))]
+        out += [(f"{p}adapter.{j}.bias", (1024 << j,)) for j in range(7)]  # 4 KB ... 256 KB
+    out += [(f"counters.{k}", ()) for k in range(16)]
+    return out
+
+
+def build_state(n: int, rank: int, zeros: bool) -> dict:
+    """This rank's part of the state: DTensor Shard(0) over all ranks (plain tensors on one rank); scalars
+    replicated, with the same value on every rank."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = DeviceMesh("cpu", list(range(n))) if n > 1 else None
+    gen = torch.Generator().manual_seed(1000 + rank)
+    state = {}
+    for k, (name, shape) in enumerate(specs()):
+        if not shape:
+            state[name] = torch.zeros(()) if zeros else torch.tensor(float(k))
+            continue
+        local_shape = (shape[0] // n, *shape[1:])  # every dim 0 here divides by 1, 2 and 4
+        local = torch.zeros(local_shape) if zeros else torch.randn(local_shape, generator=gen)
+        if mesh is None:
+            state[name] = local
+        else:
+            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                             stride=_contiguous_stride(shape))
+    return state
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def own_shard(state: dict, rank: int) -> dict:
+    """What torch.save writes on this rank: its local shards, plus the replicated tensors on rank 0."""
+    return {k: local(v) for k, v in state.items() if hasattr(v, "to_local") or v.dim() > 0 or rank == 0}
+
+
+# -- the systems: save(state, dir, rank) and load(dest, dir, rank) -> the loaded dict ---------------------------
+
+def _hdf5(checksum: bool, verify: str):
+    def save(state, d, rank):
+        import torch.distributed.checkpoint as dcp
+
+        from hpctrain.checkpoint import HDF5Writer
+        dcp.save(state, storage_writer=HDF5Writer(d, checksum=checksum))
+
+    def load(dest, d, rank):
+        import torch.distributed.checkpoint as dcp
+
+        from hpctrain.checkpoint import HDF5Reader
+        dcp.load(dest, storage_reader=HDF5Reader(d, verify=verify))
+        return dest
+    return save, load
+
+
+def _dcp_save(state, d, rank):
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(d))
+
+
+def _dcp_load(dest, d, rank):
+    import torch.distributed.checkpoint as dcp
+    dcp.load(dest, storage_reader=dcp.FileSystemReader(d))
+    return dest
+
+
+def _torch_save(state, d, rank):
+    import torch
+    with open(d / f"shard-{rank}.pt", "wb") as f:
+        torch.save(own_shard(state, rank), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_load(dest, d, rank):
+    import torch
+    return torch.load(d / f"shard-{rank}.pt", weights_only=True)
+
+
+def _dd_save(state, d, rank):
+    if rank == 0:
+        subprocess.run(["dd", "if=/dev/zero", f"of={d / 'zero.bin'}", "bs=4M", f"count={DD_BYTES >> 22}",
+                        "conv=fsync"], check=True, capture_output=True)
+
+
+def _dd_load(dest, d, rank):
+    if rank == 0:
+        subprocess.run(["dd", f"if={d / 'zero.bin'}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
+
+
+SYSTEMS = {"hdf5": _hdf5(True, "sampled"), "hdf5_nocrc": _hdf5(False, "none"), "dcp": (_dcp_save, _dcp_load),
+           "torch": (_torch_save, _torch_load), "dd": (_dd_save, _dd_load)}
+
+
+# -- page cache ---------------------------------------------------------------------------------------------------
+
+def drop_cache(d: Path) -> int | None:
+    """fsync and posix_fadvise(DONTNEED) every file under d; returns the bytes fincore still finds resident."""
+    files = [p for p in d.rglob("*") if p.is_file()]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # DONTNEED leaves dirty pages behind
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if shutil.which("fincore") is None or not files:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, files)],
+                         capture_output=True, text=True, check=True)
+    return sum(int(x) for x in out.stdout.split())
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+# -- one world size -------------------------------------------------------------------------------------------------
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain import session
+    from hpctrain.config import load_config
+
+    def world_max(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def timed(fn) -> tuple[float, object]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        return world_max(time.perf_counter() - t0), out
+
+    cfg = load_config(None, ["job.name=bench-ckpt-io", f"job.run_root={args.run_root}", "parallel.dp=-1"])
+    systems = args.systems.split(",")
+    with session.start(cfg):
+        n, rank = dist.get_world_size(), dist.get_rank()
+        box = [tempfile.mkdtemp(prefix="hpctrain-ckpt-io-", dir=args.tmp) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        root = Path(box[0])
+        try:
+            t0 = time.perf_counter()
+            state, dest = build_state(n, rank, zeros=False), build_state(n, rank, zeros=True)
+            nbytes = 4 * sum(math.prod(shape) for _, shape in specs())
+            log0(rank, f"# state built in {time.perf_counter() - t0:.1f} s: {nbytes / 1e9:.3f} GB in "
+                       f"{len(state)} tensors, {n} rank(s); temporary files under {root}")
+            small = {k: v for k, v in state.items() if local(v).numel() <= 65536}  # warm-up: first-call costs
+            small_dest = {k: dest[k] for k in small}
+            for name in systems:
+                one_round(name, small, small_dest, root / f"warm-{name}", rank, timed, dist, check=False)
+            rounds = []
+            for r in range(args.rounds):
+                order = systems[r % len(systems):] + systems[:r % len(systems)]
+                row = {"order": order}
+                for name in order:
+                    row[name] = one_round(name, state, dest, root / f"{name}-{r}", rank, timed, dist, check=True)
+                rounds.append(row)
+                log0(rank, f"  round {r}: " + ", ".join(
+                    f"{k} {gbs(k, nbytes, row[k]['save_s']):.2f}/{gbs(k, nbytes, row[k]['load_s']):.2f}"
+                    for k in order) + " GB/s save/load")
+        finally:
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+        if rank == 0:
+            doc = summarise(rounds, systems, nbytes, n, len(state))
+            report(doc)
+            RESULTS.mkdir(exist_ok=True)
+            out = RESULTS / f"checkpoint_io-{n}ranks.json"
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"# wrote {out}", flush=True)
+        bad = [r for row in rounds for k, r in row.items() if k != "order" and not r["ok"]]
+        if bad:
+            sys.exit(f"checkpoint_io: a load differs from what was saved ({len(bad)} cases)")
+
+
+def log0(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def one_round(name: str, state: dict, dest: dict, d: Path, rank: int, timed, dist, check: bool) -> dict:
+    """Save, drop from the page cache, load, compare, delete."""
+    import torch
+    save, load = SYSTEMS[name]
+    if rank == 0:
+        d.mkdir(parents=True)
+    for t in dest.values():
+        local(t).zero_()
+    save_s, _ = timed(lambda: save(state, d, rank))
+    resident, size = (drop_cache(d), dir_bytes(d)) if rank == 0 else (None, None)
+    load_s, got = timed(lambda: load(dest, d, rank))
+    ok = True
+    if check and got is not None:
+        want = own_shard(state, rank)
+        ok = all(torch.equal(local(got[k]), v) for k, v in want.items())
+    flag = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        shutil.rmtree(d)
+        os.sync()  # the deletion's metadata and discards land now, not inside the next system's timed save
+    dist.barrier()
+    return {"save_s": save_s, "load_s": load_s, "resident_before_load": resident, "file_bytes": size,
+            "ok": flag.item() == 1.0}
+
+
+def gbs(name: str, nbytes: int, seconds: float) -> float:
+    return (DD_BYTES if name == "dd" else nbytes) / seconds / 1e9
+
+
+def summarise(rounds: list[dict], systems: list[str], nbytes: int, n: int, num_tensors: int) -> dict:
+    med = statistics.median
+    per = {}
+    for k in systems:
+        save = [gbs(k, nbytes, r[k]["save_s"]) for r in rounds]
+        load = [gbs(k, nbytes, r[k]["load_s"]) for r in rounds]
+        per[k] = {"save_gbs_median": med(save), "save_gbs_best": max(save), "load_gbs_median": med(load),
+                  "load_gbs_best": max(load), "file_bytes": rounds[0][k]["file_bytes"],
+                  "max_resident_before_load": max((r[k]["resident_before_load"] or 0) for r in rounds)}
+
+    def paired(a: str, b: str, op: str) -> float | None:  # median over rounds of GB/s(a) / GB/s(b)
+        if a not in systems or b not in systems:
+            return None
+        return med(gbs(a, nbytes, r[a][f"{op}_s"]) / gbs(b, nbytes, r[b][f"{op}_s"]) for r in rounds)
+
+    ratios = {"save_hdf5_vs_dcp": paired("hdf5", "dcp", "save"), "load_hdf5_vs_dcp": paired("hdf5", "dcp", "load"),
+              "save_hdf5_vs_dd": paired("hdf5", "dd", "save"),
+              "save_hdf5_nocrc_vs_dcp": paired("hdf5_nocrc", "dcp", "save"),
+              "load_hdf5_nocrc_vs_dcp": paired("hdf5_nocrc", "dcp", "load"),
+              "save_dcp_vs_dd": paired("dcp", "dd", "save"), "save_torch_vs_dcp": paired("torch", "dcp", "save"),
+              "load_torch_vs_dcp": paired("torch", "dcp", "load"), "load_hdf5_vs_dd": paired("hdf5", "dd", "load")}
+    met = {k: ratios[k] >= t for k, t in TARGETS.items() if ratios[k] is not None}  # dd or dcp may be left out
+    verdict = "NOT MET" if not all(met.values()) else "MET" if len(met) == len(TARGETS) else "INCOMPLETE"
+    import torch
+    return {"nranks": n, "state_bytes": nbytes, "num_tensors": num_tensors, "rounds": len(rounds),
+            "systems": per, "ratios": ratios, "targets": TARGETS, "met": met, "verdict": verdict,
+            "all_loads_equal": all(r[k]["ok"] for r in rounds for k in systems),
+            "cache_drop": "fsync + posix_fadvise(DONTNEED)", "raw": rounds, "torch": torch.__version__,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def report(doc: dict) -> None:
+    n, nbytes = doc["nranks"], doc["state_bytes"]
+    print(f"# checkpoint I/O, {n} rank(s), {nbytes / 1e9:.3f} GB fp32 in {doc['num_tensors']} tensors, "
+          f"{doc['rounds']} rounds in rotating order; every save fsynced, page cache dropped before every load; "
+          f"GB = 1e9 B; dd moves {DD_BYTES / 1e9:.3f} GB")
+    print(f"# {'system':<11} {'save med':>8} {'best':>6} {'load med':>8} {'best':>6} {'on disk MB':>10} "
+          f"{'resident':>8}")
+    for k, r in doc["systems"].items():
+        print(f"  {k:<11} {r['save_gbs_median']:>8.3f} {r['save_gbs_best']:>6.3f} {r['load_gbs_median']:>8.3f} "
+              f"{r['load_gbs_best']:>6.3f} {(r['file_bytes'] or 0) / 1e6:>10.1f} {r['max_resident_before_load']:>8}")
+    q = doc["ratios"]
+    print("# paired ratios (median of per-round GB/s ratios): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in q.items() if v is not None))
+    print(f"# {n} rank(s): " + "; ".join(
+        f"{k} {q[k]:.3f} (>= {t}: {'met' if doc['met'][k] else 'NOT met'})" for k, t in TARGETS.items()
+        if q[k] is not None) + f" -> {doc['verdict']}; loads equal to saved: {doc['all_loads_equal']}")
+
+
+# -- driver ---------------------------------------------------------------------------------------------------------
+
+def mpiexec() -> str:
+    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
+    return exe
+
+
+def driver(args, argv: list[str]) -> None:
+    worlds = {}
+    for n in args.ranks:
+        cmd = [mpiexec(), "-n", str(n), sys.executable, str(Path(__file__).resolve()), *argv]
+        print(f"=== {' '.join(cmd)}", flush=True)
+        if subprocess.call(cmd, cwd=HERE.parent):
+            sys.exit(f"checkpoint_io failed on {n} ranks")
+        worlds[n] = json.loads((RESULTS / f"checkpoint_io-{n}ranks.json").read_text())
+    print("# checkpoint I/O summary, GB/s medians (save / load) and paired ratios:")
+    for n, w in worlds.items():
+        s, q = w["systems"], w["ratios"]
+        print(f"  n={n}: " + ", ".join(f"{k} {v['save_gbs_median']:.2f}/{v['load_gbs_median']:.2f}"
+                                       for k, v in s.items()) +
+              "; " + ", ".join(f"{k} {q[k]:.3f}" for k in TARGETS if q[k] is not None))
+    misses = [f"n={n} {k} {w['ratios'][k]:.3f}" for n, w in worlds.items() for k, ok in w["met"].items() if not ok]
+    verdicts = {w["verdict"] for w in worlds.values()}
+    verdict = "NOT MET" if misses else "MET" if verdicts == {"MET"} else "INCOMPLETE"
+    print(f"# targets HDF5/DCP save >= 1.0, load >= 1.0, HDF5 save/dd >= 0.7 at every world size: {verdict}; "
+          f"missed: {'; '.join(misses) or 'none'}")
+    out = RESULTS / "checkpoint_io.json"
+    out.write_text(json.dumps({"verdict": verdict, "missed": misses, "targets": TARGETS,
+                               "worlds": {str(k): w for k, w in worlds.items()}}, indent=1) + "\n")
+    print(f"# wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", default="1,2,4", help="driver: world sizes to launch")
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tmp", default="/tmp", help="where the checkpoints go (a directory made and removed here)")
+    ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
+    args = ap.parse_args()
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; valid: {', '.join(SYSTEMS)}")
+    from hpctrain import rendezvous
+    if rendezvous.detect_launcher() == "single":
+        args.ranks = [int(n) for n in args.ranks.split(",")]
+        driver(args, [a for a in sys.argv[1:]])
+    else:
+        worker(args)
+
+
+if __name__ == "__main__":
+    main()
