@@ -157,7 +157,8 @@ def test_planner_data_json_codec() -> None:
 
 def test_chunk_shape() -> None:
     mib = 1 << 20
-    assert _chunk_shape((1100, 1024), 4, 4 * mib) == (1024, 1024)
+    assert _chunk_shape((1100, 1024), 4, 4 * mib) == (550, 1024)  # two equal chunks, no padded edge
+    assert _chunk_shape((1408, 1024), 4, 4 * mib) == (704, 1024)
     assert _chunk_shape((8, 4096, 4096), 2, 4 * mib) == (1, 512, 4096)  # whole trailing dims first
     assert _chunk_shape((3, 4 * mib), 1, mib) == (1, mib)  # one row is bigger than a chunk
     assert _chunk_shape((7, 5), 4, 4 * mib) == (7, 5)
