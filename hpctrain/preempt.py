@@ -2,7 +2,7 @@
 flag; the ranks agree on it at the next step boundary with one all-reduce, save, and rank 0 requeues the job.
 
     flag = PreemptionFlag()            # installs the handlers (replacing submitit's USR2 handler)
-    stop, save_now = flag.poll()       # collective: every rank calls it after the same step
+    stop, save_now, writing = flag.poll()   # collective: every rank calls it after the same step
     if stop: ...save, then requeue()...
 """
 from __future__ import annotations
@@ -34,14 +34,15 @@ class PreemptionFlag:
                         signal.Signals(signum).name)
         self.received = signum
 
-    def poll(self, device: torch.device | None = None, save_requested: bool = False) -> tuple[bool, bool]:
-        """(stop, save_now), the same on every rank: stop once any rank got a signal, save when any rank was
-        asked to. Collective: every rank calls it after the same step."""
-        t = torch.tensor([1.0 if self.received is not None else 0.0, 1.0 if save_requested else 0.0],
-                         device=device)
+    def poll(self, device: torch.device | None = None, save_requested: bool = False,
+             writing: bool = False) -> tuple[bool, bool, bool]:
+        """(stop, save_now, writing_anywhere), the same on every rank: stop once any rank got a signal, save
+        when any rank was asked to, and whether any rank's background save is still writing. Collective:
+        every rank calls it after the same step."""
+        t = torch.tensor([float(self.received is not None), float(save_requested), float(writing)], device=device)
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0].item() > 0), bool(t[1].item() > 0)
+        return bool(t[0].item() > 0), bool(t[1].item() > 0), bool(t[2].item() > 0)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

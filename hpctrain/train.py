@@ -177,7 +177,9 @@ class Trainer:
             losses.append(row["loss"])
             if profiler is not None:
                 profiler.step()
-            stop, save_now = flag.poll(self.device, self._save_requested())  # every rank, same step
+            stop, save_now, writing = flag.poll(self.device, self._save_requested(), mgr.unfinished())
+            if mgr.pending is not None and not writing:
+                mgr.wait()  # every rank's background write is done: commit now, not at the next save
             if stop:
                 mgr.wait()
                 self.save(mgr)

@@ -112,6 +112,14 @@ class CheckpointManager:
         # asynchronous saves run their collectives in a background thread: on a group of their own, or they
         # would interleave with training's collectives on the default group (a deadlock on gloo)
         self.async_group = dist.new_group(backend="gloo") if ccfg.async_save and dist.is_initialized() else None
+        # one stager for the whole run keeps its host buffers: the copy that stalls training is into memory
+        # already allocated (measured 0.36 s -> 0.07-0.10 s for 0.6 GB here); safe since one save is in flight
+        self.stager = None
+        if ccfg.async_save:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                       use_shared_memory=False, use_async_staging=False,
+                                                       use_non_blocking_copy=torch.cuda.is_available()))
 
     # -- saving -------------------------------------------------------------------------------------------
     def _prepare(self, step: int, need_bytes: int) -> Path:
@@ -150,11 +158,16 @@ class CheckpointManager:
         tmp = self._prepare(step, self._need_bytes(state))
         writer = HDF5Writer(tmp, checksum=True)
         if asynchronous:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
+                                 async_stager=self.stager)
             self.pending = (step, fut, extra_json, provenance)
             return
         dcp.save(state, storage_writer=writer)
         self._commit(step, tmp, extra_json, provenance)
+
+    def unfinished(self) -> bool:
+        """True while this rank's asynchronous save is still writing."""
+        return self.pending is not None and not self.pending[1].done()
 
     def wait(self) -> None:
         """Finishes and commits the save in flight, if any."""
