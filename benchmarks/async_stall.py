@@ -28,11 +28,12 @@ import dataclasses
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _launch import run_worlds
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -249,21 +250,8 @@ def report(doc: dict) -> None:
           f"{st['kept_stager_copy_s']:.3f} s (first copy {st['first_copy_s']:.3f} s)")
 
 
-def mpiexec() -> str:
-    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
-    return exe
-
-
 def driver(args, argv: list[str]) -> None:
-    worlds = {}
-    for n in args.ranks:
-        cmd = [mpiexec(), "-n", str(n), sys.executable, str(Path(__file__).resolve()), *argv]
-        print(f"=== {' '.join(cmd)}", flush=True)
-        if subprocess.call(cmd, cwd=HERE.parent):
-            sys.exit(f"async_stall failed on {n} ranks")
-        worlds[n] = json.loads((RESULTS / f"async_stall-{n}ranks.json").read_text())
+    worlds = run_worlds(__file__, "async_stall", args.ranks, argv)
     for n, w in worlds.items():
         s = w["summary"]
         print(f"  n={n}: sync stall {s['sync_stall_s']:.3f} s, async stall {s['async_stall_s']:.3f} s "

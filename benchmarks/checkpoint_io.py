@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _launch import run_worlds
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_SYSTEMS = "hdf5,dcp,torch,dd"  # hdf5_nocrc on request (--systems): ~4 s more per round
@@ -328,21 +330,8 @@ def report(doc: dict) -> None:
 
 # -- driver ---------------------------------------------------------------------------------------------------------
 
-def mpiexec() -> str:
-    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
-    return exe
-
-
 def driver(args, argv: list[str]) -> None:
-    worlds = {}
-    for n in args.ranks:
-        cmd = [mpiexec(), "-n", str(n), sys.executable, str(Path(__file__).resolve()), *argv]
-        print(f"=== {' '.join(cmd)}", flush=True)
-        if subprocess.call(cmd, cwd=HERE.parent):
-            sys.exit(f"checkpoint_io failed on {n} ranks")
-        worlds[n] = json.loads((RESULTS / f"checkpoint_io-{n}ranks.json").read_text())
+    worlds = run_worlds(__file__, "checkpoint_io", args.ranks, argv)
     print("# checkpoint I/O summary, GB/s medians (save / load) and paired ratios:")
     for n, w in worlds.items():
         s, q = w["systems"], w["ratios"]

@@ -11,11 +11,12 @@ benchmark whose two sides disagree, included).
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import _launch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -24,10 +25,7 @@ EXAMPLE = REPO / "slurm" / "examples" / "tiny-cpu.toml"
 
 
 def mpiexec(n: int, *cmd: str) -> list[str]:
-    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
-    return [exe, "-n", str(n), *cmd]
+    return [_launch.mpiexec(), "-n", str(n), *cmd]
 
 
 def hpctrain(*args: str) -> list[str]:

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from _launch import run_worlds
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -189,21 +188,8 @@ def report_world(rows: list[dict], n: int) -> None:
         print(f"# {n} ranks, model 'even': every component within {TARGET:.0%}: {verdict(rows)}")
 
 
-def mpiexec() -> str:
-    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if exe is None:
-        sys.exit("no mpiexec found: `make install` adds the mpich wheel where the machine has no MPI")
-    return exe
-
-
 def driver(args) -> None:
-    worlds = {}
-    for n in args.ranks:
-        cmd = [mpiexec(), "-n", str(n), sys.executable, str(Path(__file__).resolve()), "--run-root", args.run_root]
-        print(f"=== {' '.join(cmd)}", flush=True)
-        if subprocess.call(cmd, cwd=HERE.parent):
-            sys.exit(f"zero_memory failed on {n} ranks")
-        worlds[n] = json.loads((RESULTS / f"zero_memory-{n}ranks.json").read_text())
+    worlds = run_worlds(__file__, "zero_memory", args.ranks, ["--run-root", args.run_root])
     rows = [r for w in worlds.values() for r in w["rows"]]
     print(f"# ZeRO model states vs equation, {'/'.join(map(str, args.ranks))} ranks, ratio measured/equation on "
           f"the largest rank:")
