@@ -3,6 +3,10 @@
     hpctrain submit CONFIG [--set section.key=value ...] [--dry-run] [--wait]
     hpctrain train CONFIG [--set ...] [--run-dir DIR]      # what each rank runs
     hpctrain topo CONFIG [--set ...]                       # the rank map the job will use
+    hpctrain bench COLL... [nccl-tests flags]              # collective benchmark; `bench gemm` for matmul
+    hpctrain data build OUT [INPUTS...]                    # byte-level token datasets
+    hpctrain plot RUN_DIR                                  # training curves
+    hpctrain ckpt ls|inspect|verify|export ...             # checkpoints
 
 Config and layout errors exit with status 2 and a message naming the value, before anything is submitted.
 """
