@@ -82,6 +82,9 @@ class JobConfig:
         return out
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+
+
 @dataclass
 class ParallelConfig:
     """[parallel]: the (pp, dp, tp) layout, tp innermost, and how ranks connect."""
@@ -95,9 +98,29 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 DDP, 1 + optimizer state sharded, 2 + gradients (FSDP2), 3 + parameters (FSDP2)
     sequence_parallel: bool = False  # shard norms and residuals along the sequence inside the tp group
     loss_parallel: bool = True  # keep logits vocab-sharded into the cross-entropy (tp > 1)
+    # pipeline (pp > 1): train.grad_accum is the number of micro-batches each step pipelines
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv
+    pp_virtual_stages: int = 1  # model chunks per pp rank: 1 for gpipe/1f1b, >= 2 interleaved, 2 for zbv
+    pp_layers: list[int] = field(default_factory=list)  # blocks per stage (pp * virtual entries); [] balanced
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "pp", "tp", "timeout_s")
+        _positive("parallel", self, "pp", "tp", "timeout_s", "pp_virtual_stages")
+        _one_of("parallel", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        multi = self.pp_schedule not in ("gpipe", "1f1b")
+        if self.pp > 1 and not multi:
+            _check(self.pp_virtual_stages == 1, f"parallel.pp_virtual_stages = {self.pp_virtual_stages} needs an "
+                   f"interleaved schedule; parallel.pp_schedule = {self.pp_schedule!r} runs one stage per rank")
+        if self.pp > 1 and multi:
+            _check(self.pp_virtual_stages >= 2, f"parallel.pp_schedule = {self.pp_schedule!r} runs several stages "
+                   f"per rank: set parallel.pp_virtual_stages >= 2 (got {self.pp_virtual_stages})")
+        if self.pp > 1 and self.pp_schedule == "zbv":
+            _check(self.pp_virtual_stages == 2, f"parallel.pp_schedule = 'zbv' needs exactly 2 virtual stages per "
+                   f"rank (got parallel.pp_virtual_stages = {self.pp_virtual_stages})")
+        if self.pp_layers:
+            stages = self.pp * self.pp_virtual_stages
+            _check(len(self.pp_layers) == stages, f"parallel.pp_layers = {self.pp_layers} has {len(self.pp_layers)} "
+                   f"entries; pp ({self.pp}) x pp_virtual_stages ({self.pp_virtual_stages}) = {stages} stages")
+            _check(all(n >= 0 for n in self.pp_layers), f"parallel.pp_layers = {self.pp_layers}: counts must be >= 0")
         _check(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
         _check(self.dp == -1 or self.dp >= 1, f"parallel.dp = {self.dp} must be >= 1, or -1 for auto")
         _one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))

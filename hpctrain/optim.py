@@ -70,21 +70,24 @@ def _groups(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
-def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+def grad_norm(params: Iterable[nn.Parameter], pp_group=None) -> torch.Tensor:
     """The L2 norm of all gradients as if the model were on one device.
 
     Sharded (DTensor) gradients reduce their partial norms over their mesh; plain gradients are whole on
-    every rank (DDP has all-reduced them; tensor parallel replicates what it does not shard)."""
-    total = None
+    every rank (DDP has all-reduced them; tensor parallel replicates what it does not shard). Pipeline stages
+    hold disjoint parameters: their squared norms add up over pp_group."""
+    total = torch.zeros(())
     for group in _groups(params):
         n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
         n = (n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2
-        total = n if total is None else total + n.to(total.device)
-    return total.sqrt() if total is not None else torch.zeros(())
+        total = total.to(n.device) + n
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    norm = grad_norm(params)
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
+    norm = grad_norm(params, pp_group)
     if max_norm > 0 and torch.isfinite(norm):
         for group in _groups(params):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

@@ -4,17 +4,21 @@ on the meta device first so no rank ever holds more than its shard; then seeded 
 layout the same full weights.
 
     pm = build(cfg, mesh, device)        # pm.model, pm.dims, pm.sync(last_micro_step), pm.loss_parallel
+
+With pp > 1 the rank's model holds only its stages' blocks (hpctrain.pipeline), pm.parts are the stage modules
+the schedule runs (DDP- or FSDP-wrapped), and pm.plan says which stages this rank runs.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from hpctrain import pipeline
 from hpctrain.config import Config
 from hpctrain.model import ModelDims, Transformer, init_value
 
@@ -29,6 +33,8 @@ class ParallelModel:
     sync: Callable[[bool], Any]  # sync(is_last_micro_step) -> context manager around forward+backward
     autocast_dtype: torch.dtype | None  # autocast for layouts without FSDP's mixed precision
     zero_stage: int
+    parts: list[nn.Module] = field(default_factory=list)  # stage modules this rank runs (pp > 1)
+    plan: pipeline.StagePlan | None = None
 
 
 def clean_name(name: str) -> str:
@@ -65,12 +71,13 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel
     """Vocab-parallel embedding and output, and the per-block plan, on the node-local tp mesh."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    if sequence_parallel:
+    plan: dict[str, Any] = {}
+    if model.tok_embeddings is not None:  # a pipeline stage may lack the embedding or the output
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    if sequence_parallel and model.norm is not None:
         plan["norm"] = SequenceParallel()
     for i in model.layers:
         plan.update(tp_plan(f"layers.{i}", sequence_parallel))
@@ -90,19 +97,24 @@ def apply_ac(model: Transformer, mode: str, every: int) -> None:
 
 
 def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype) -> None:
-    """FSDP2 per block then the root: ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them."""
+               reduce_dtype: torch.dtype, roots: list[nn.Module] | None = None) -> None:
+    """FSDP2 per block then the root(s): ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them. Under
+    pipeline parallel each stage module is a root (it holds the embedding, norm and output of its stage)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = zero_stage == 3
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device) -> None:
-    """Allocates the (sharded) parameters and fills each with its slice of the layout-independent init."""
-    model.to_empty(device=device)
+def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device,
+                parts: list[nn.Module] | None = None) -> None:
+    """Allocates the (sharded) parameters and fills each with its slice of the layout-independent init. With
+    pipeline stages, each stage module (an FSDP root) allocates what it holds; together they cover the model."""
+    for part in parts or [model]:
+        part.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             full = init_value(clean_name(name), p.shape, dims, seed).to(device)
@@ -112,7 +124,8 @@ def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.devi
                 p.to_local().copy_(local)
             else:
                 p.copy_(full)
-    model.init_buffers(device)
+    for m in [model, *(parts or [])]:
+        m.init_buffers(device)
 
 
 def allreduce_grads(model: nn.Module, group) -> None:
@@ -129,14 +142,20 @@ def allreduce_grads(model: nn.Module, group) -> None:
         g.copy_(avg)
 
 
-def _check_supported(cfg: Config, tp: int, dp: int) -> None:
-    z = cfg.parallel.zero_stage
-    if cfg.parallel.pp > 1:
-        raise ValueError(f"parallel.pp = {cfg.parallel.pp}: pipeline-parallel training is not implemented yet; "
-                         f"use pp = 1 (tp inside nodes, dp across them)")
+def _check_supported(cfg: Config, tp: int, dp: int) -> pipeline.StagePlan | None:
+    """Refuses what does not compose; returns the pipeline's stage plan when pp > 1."""
+    z, pp = cfg.parallel.zero_stage, cfg.parallel.pp
+    plan = None
+    if pp > 1:
+        if cfg.model.tie_embeddings:
+            raise ValueError(f"model.tie_embeddings = true with parallel.pp = {pp}: the embedding (first stage) "
+                             f"and the output (last stage) live on different ranks; untie them")
+        plan = pipeline.StagePlan.build(cfg.parallel, cfg.model.n_layers)
+        plan.check_microbatches(cfg.train.grad_accum)
     if z == 1 and tp > 1:
         raise ValueError(f"parallel.zero_stage = 1 with parallel.tp = {tp} is not supported (ZeRO-1 shards the "
                          f"optimizer of plain DDP); use zero_stage 0, 2 or 3 with tensor parallel")
+    return plan
 
 
 def batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
@@ -167,23 +186,34 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
     """mesh: hpctrain.mesh.Mesh (or None for one process)."""
     tp = mesh.layout.tp if mesh else 1
     dp = mesh.layout.dp if mesh else 1
-    _check_supported(cfg, tp, dp)
+    plan = _check_supported(cfg, tp, dp)
     dims = ModelDims.from_config(cfg.model, tp)
     zero = cfg.parallel.zero_stage if dp > 1 else -1  # -1: no data parallel wrapping
     loss_parallel = tp > 1 and cfg.parallel.loss_parallel
     with torch.device("meta"):
         model = Transformer(dims)
+    pp_rank = mesh.layout.coords(torch.distributed.get_rank())["pp"] if plan else 0
+    if plan:
+        pipeline.prune(model, plan, pp_rank)
     if tp > 1:
         apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel)
     apply_ac(model, cfg.train.ac, cfg.train.ac_every)
+    parts = [pipeline.stage_module(model, plan, s) for s in plan.stages_of(pp_rank)] if plan else []
     low = DTYPES[cfg.train.precision] if cfg.train.precision != "fp32" else None
     autocast = low
     if zero in (2, 3):
-        apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype])
+        apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype], parts or None)
         autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
-    materialize(model, dims, cfg.train.seed, device)
+    materialize(model, dims, cfg.train.seed, device, parts or None)
     sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731
-    if zero == 0 and tp > 1:
+    if plan and zero in (0, 1) and tp == 1:
+        # the schedule runs DDP's no_sync itself and reduces on the last micro-batch's backward
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        parts = [DDP(part, process_group=mesh.group("dp"), gradient_as_bucket_view=True,
+                     device_ids=[device.index] if device.type == "cuda" else None) for part in parts]
+    elif plan and zero in (2, 3):
+        pass  # the schedule tells FSDP when the last micro-batch's backward runs
+    elif zero == 0 and tp > 1:
         # DDP cannot hold DTensor parameters: replicate over dp by one coalesced all-reduce of the local
         # gradient shards after the last micro-batch (no overlap with backward, unlike DDP's buckets)
         group = mesh.group("dp")
@@ -211,4 +241,4 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
             # accumulate unreduced gradients locally until the last micro-step, then reduce-scatter once
             fsdp.set_requires_gradient_sync(last)
             yield
-    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero)
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, plan)

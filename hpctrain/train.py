@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, metrics, optim, parallelize, preempt, session
+from hpctrain import data, metrics, optim, parallelize, pipeline, preempt, session
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.manager import MARKER, CheckpointManager, committed
 from hpctrain.config import Config, load_config, to_dict
@@ -58,6 +58,11 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.dp_group = s.mesh.group("dp")
+        self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
+        self.pipe = None
+        if self.pm.plan is not None:
+            self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, layout.coords(s.rank)["pp"], self.pp_group,
+                                          self.device, cfg.train.grad_accum, self._pipeline_loss)
         self.flops_per_token = self.pm.dims.flops_per_token(cfg.data.seq_len)
         log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
                  "(micro %d x accum %d x dp %d), lr %.3g", self.pm.dims.num_params() / 1e6,
@@ -75,12 +80,30 @@ class Trainer:
             return loss_parallel()  # backward of the sharded cross-entropy must run inside it too
         return contextlib.nullcontext()
 
+    def _pipeline_loss(self, logits, y: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch; the schedule averages gradients over micro-batches."""
+        return self.scaler.scale_loss(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
+
+    def _pipeline_forward_backward(self) -> torch.Tensor:
+        """All grad_accum micro-batches through the pipeline; returns the mean loss on every pp rank."""
+        accum = self.cfg.train.grad_accum
+        batches = [self.loader.next_batch() for _ in range(accum)]  # every stage reads: same position
+        x, y = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*batches))
+        loss = torch.zeros((), device=self.device)
+        with self.pm.sync(True), self._loss_ctx(), self._autocast():
+            losses = self.pipe.step(x, y)
+        if losses is not None:
+            total = sum((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float() for t in losses)
+            loss = total / (accum * self.scaler.scale)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage's ranks add a non-zero loss
+        return loss
+
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over grad_accum micro-batches; returns this step's metrics (dp-averaged loss)."""
         accum = self.cfg.train.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        for k in range(accum):
+        for k in range(accum if self.pipe is None else 0):
             x, y = (t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
             # gradients are reduced across dp only after the last micro-batch (nanoGPT's no_sync trick)
             with self.pm.sync(k == accum - 1), self._loss_ctx():
@@ -89,8 +112,11 @@ class Trainer:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / accum
                 self.scaler.scale_loss(loss).backward()
             loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+        if self.pipe is not None:
+            loss_sum = self._pipeline_forward_backward()
         finite = self.scaler.unscale_and_check(self.params, self.device)
-        norm = optim.clip_grad_norm(self.params, self.cfg.train.grad_clip) if finite else torch.tensor(float("inf"))
+        norm = (optim.clip_grad_norm(self.params, self.cfg.train.grad_clip, self.pp_group) if finite
+                else torch.tensor(float("inf")))
         # torchtitan's rule: never let a non-finite gradient reach the weights
         skipped = not (finite and torch.isfinite(norm))
         if not skipped:
@@ -175,6 +201,8 @@ class Trainer:
         while self.step < t.steps:
             row = self.train_step()
             losses.append(row["loss"])
+            if self.pipe is not None and len(losses) == 1:
+                self.pipe.timing()  # the first step infers shapes across stages: not part of the bubble
             if profiler is not None:
                 profiler.step()
             stop, save_now, writing = flag.poll(self.device, self._save_requested(), mgr.unfinished())
@@ -211,9 +239,39 @@ class Trainer:
         out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
                "peak_tflops": peak, "tokens_seen": self.tokens_seen, "resumed_from": resumed,
                "preempted": preempted, "losses": losses}
+        if self.pipe is not None:
+            out["pipeline"] = self.pipeline_summary()
+            if rank0:
+                log.info("pipeline %s", out["pipeline"]["line"])
         if preempted and self.s.rank == 0:
             out["requeue"] = preempt.requeue()
             log.info("preempted at step %d: checkpoint committed, %s", self.step, out["requeue"])
+        return out
+
+    def pipeline_summary(self) -> dict[str, Any]:
+        """Per pp rank: mean step time (schedule only, first step excluded), compute time, and the idle share
+        1 - compute / step next to the schedule's theory. Collective: every rank calls it."""
+        plan, t = self.pm.plan, self.pipe.timing()
+        mine = (self.s.mesh.layout.coords(self.s.rank)["pp"], t["steps"], t["wall_s"], t["busy_s"])
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        ranks = []
+        for r in range(plan.pp):
+            rows = [e for e in every if e[0] == r and e[1] > 0]  # averaged over the rank's dp and tp peers
+            steps = sum(e[1] for e in rows)
+            wall, busy = (sum(e[2] for e in rows) / steps, sum(e[3] for e in rows) / steps) if steps else (0, 0)
+            ranks.append({"pp_rank": r, "stages": plan.stages_of(r), "blocks": plan.blocks_of(r), "step_s": wall,
+                          "compute_s": busy, "idle_fraction": 1 - busy / wall if wall else None})
+        idle = [x["idle_fraction"] for x in ranks if x["idle_fraction"] is not None]
+        m = self.cfg.train.grad_accum
+        theory = plan.bubble_theory(m)
+        out = {"schedule": plan.schedule, "pp": plan.pp, "virtual_stages": plan.virtual, "microbatches": m,
+               "stage_layers": [list(x) for x in plan.layers], "bubble_theory": theory,
+               "idle_fraction_mean": sum(idle) / len(idle) if idle else None, "per_pp_rank": ranks}
+        out["line"] = (f"{plan.schedule} p={plan.pp} v={plan.virtual} m={m}: idle "
+                       + ", ".join(f"rank {x['pp_rank']} {x['idle_fraction']:.3f} of {x['step_s'] * 1e3:.1f} ms"
+                                   for x in ranks if x["idle_fraction"] is not None)
+                       + (f" (theory {theory:.3f})" if theory is not None else ""))
         return out
 
     def _save_requested(self) -> bool:

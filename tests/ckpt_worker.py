@@ -45,7 +45,8 @@ def main(out: str, cases_json: str, base_port: int) -> None:
                 weights = full_weights(trainer.model)
                 if s.rank == 0:
                     torch.save({"losses": res["losses"], "resumed_from": res["resumed_from"], "weights": weights,
-                                "preempted": res["preempted"], "steps": res["steps"]}, target)
+                                "preempted": res["preempted"], "steps": res["steps"],
+                                "pipeline": res.get("pipeline")}, target)
         except Exception as e:  # recorded so the test names the case that failed
             errors[case["name"]] = f"{type(e).__name__}: {e}"
     Path(out, f"errors-rank{rank}.json").write_text(json.dumps(errors))

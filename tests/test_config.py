@@ -56,7 +56,7 @@ def test_gpu_example_loads():
     cfg = load_config(GPU)
     assert cfg.world_size == 32
     assert (cfg.job.nodes, cfg.job.tasks_per_node, cfg.job.gpus_per_node) == (4, 8, 8)
-    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (1, 4, 8)
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (2, 2, 8)
     assert cfg.job.exclusive is True
     assert cfg.job.sbatch_extra == ["--mail-type=END,FAIL", "--requeue"]
     assert cfg.job.srun_args == ["--mpi=pmi2", "--cpu-bind=none"]
@@ -96,8 +96,8 @@ def test_later_override_wins_and_paths_need_no_quotes():
 
 
 def test_override_can_fix_a_file_value():
-    cfg = load_config(GPU, ["parallel.tp=4", "parallel.dp=8"])
-    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (1, 8, 4)
+    cfg = load_config(GPU, ["parallel.tp=4", "parallel.dp=4"])
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (2, 4, 4)
 
 
 # --- errors name the key and the value --------------------------------------------------------------------

@@ -101,10 +101,10 @@ def test_dry_run_prints_script_and_map_and_creates_nothing(tmp_path):
     res = invoke("submit", GPU, "--dry-run", "--set", f"job.run_root={run_root}")
     assert res.exit_code == 0, res.output
     out = res.output
-    assert "layout pp=1 dp=4 tp=8 on 4 node(s) x 8 rank(s)" in out
+    assert "layout pp=2 dp=2 tp=8 on 4 node(s) x 8 rank(s)" in out
     row31 = next(line for line in out.splitlines() if line.startswith("31 "))
-    assert row31.split() == ["31", "node3", "7", "0", "3", "7", "[24,25,26,27,28,29,30,31]", "[7,15,23,31]",
-                             "[31]"]
+    assert row31.split() == ["31", "node3", "7", "1", "1", "7", "[24,25,26,27,28,29,30,31]", "[23,31]",
+                             "[15,31]"]
     assert "#!/bin/bash" in out and "#SBATCH --nodes=4" in out and "#SBATCH --signal=USR2@300" in out
     assert f"{run_root}/<run dir>/submitit" in out
     assert "nothing submitted" in out
@@ -113,7 +113,7 @@ def test_dry_run_prints_script_and_map_and_creates_nothing(tmp_path):
 
 
 def test_dry_run_refuses_tp_wider_than_a_node():
-    # dp = -1 so the product fits (1 * 2 * 16 = 32) and the per-node check is what refuses it
+    # dp = -1 so the product fits (2 * 1 * 16 = 32) and the per-node check is what refuses it
     res = invoke("submit", GPU, "--dry-run", "--set", "parallel.tp=16", "--set", "parallel.dp=-1")
     assert res.exit_code == 2
     assert "tp(16)" in res.output and "8 ranks per node" in res.output
@@ -121,7 +121,7 @@ def test_dry_run_refuses_tp_wider_than_a_node():
 
 
 def test_dry_run_refuses_wrong_product():
-    # the example fixes dp = 4, so tp = 16 alone breaks pp * dp * tp = world size first
+    # the example fixes dp = 2, so tp = 16 alone breaks pp * dp * tp = world size first
     res = invoke("submit", GPU, "--dry-run", "--set", "parallel.tp=16")
     assert res.exit_code == 2
     assert "tp(16)" in res.output and "= 64" in res.output and "world size 32" in res.output

@@ -3,6 +3,8 @@
 Same seed, same data, 8 steps of a tiny Llama on gloo: per-step losses and final full weights of each layout
 must match the single-process reference within fp32 tolerance (reduction order differs across layouts). bf16
 is held to a stated looser tolerance; fp16 must skip exactly the step whose gradients were made infinite.
+Pipeline layouts (GPipe, 1F1B, interleaved, ZBV zero bubble, with tp and with dp/ZeRO) are held to the same
+tolerances; their weights are gathered from every stage.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ LOSS_TOL = 2e-5  # fp32, absolute, per step
 WEIGHT_TOL = 2e-4  # fp32, max absolute difference of any weight after 8 AdamW steps at lr 1e-3
 BF16_LOSS_TOL = 5e-2  # bf16 compute against the fp32 reference
 
+PP = ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
+FOUR_LAYERS = ["model.n_layers=4"]  # 2 virtual stages on each of 2 ranks: a block per stage
 TWO = [
     {"name": "tp2", "overrides": ["parallel.tp=2"]},
     {"name": "tp2_sp", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true"]},
@@ -30,6 +34,11 @@ TWO = [
                                              "train.precision=bf16"]},
     {"name": "dp2_fp16_inf", "overrides": ["train.precision=fp16", "train.micro_batch_size=4"],
      "inject_inf_step": 3},
+    # pipeline: 4 micro-batches of 2 per step, the reference's 8 sequences
+    *[{"name": f"pp2_{sched}", "overrides": PP + [f"parallel.pp_schedule={sched}"]} for sched in ("gpipe", "1f1b")],
+    *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
+                                                                   "parallel.pp_virtual_stages=2"]}
+      for sched in ("interleaved_1f1b", "zbv")],
 ]
 FOUR = [
     {"name": "tp2dp2_zero3", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
@@ -39,6 +48,10 @@ FOUR = [
                                               "train.ac=every"]},
     {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
                                                "train.grad_accum=2"]},
+    {"name": "pp2tp2", "overrides": PP + ["parallel.tp=2"]},
+    *[{"name": f"pp2dp2_zero{z}", "overrides": PP + [f"parallel.zero_stage={z}", "train.micro_batch_size=1"]}
+      for z in (0, 3)],
+    {"name": "pp4_gpipe", "overrides": PP + FOUR_LAYERS + ["parallel.pp=4", "parallel.pp_schedule=gpipe"]},
 ]
 
 
@@ -56,6 +69,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case([], out / "ref.pt")
     run_case(["train.micro_batch_size=2", "train.grad_accum=4"], out / "accum4.pt")
     run_case(["train.ac=full"], out / "ac_full.pt")
+    run_case(FOUR_LAYERS, out / "ref4.pt")
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = _spawn(4, FOUR, out)
     logs += [p.communicate(timeout=600)[0] for p in running[4]]
@@ -80,6 +94,16 @@ def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None) ->
                                   "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
     _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
+
+
+@pytest.mark.parametrize("case", ["pp2_gpipe", "pp2_1f1b", "pp2tp2", "pp2dp2_zero0", "pp2dp2_zero3"])
+def test_pipeline_matches_single_process(results, case) -> None:
+    _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
+
+
+@pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe"])
+def test_pipeline_four_stages_match_single_process(results, case) -> None:
+    _compare(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL)
 
 
 def test_reference_learns(results) -> None:

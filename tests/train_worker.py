@@ -24,9 +24,17 @@ TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_hea
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
+    """Every weight, whole: gathered over dp and tp, and over pipeline stages (each rank holds its own)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().float().clone() for k, v in sd.items()}
+    # no cpu_offload: with it only global rank 0 keeps values, and other pipeline stages would come back empty
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mine = {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+    if not dist.is_initialized():
+        return mine
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
 
 
 def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -34,21 +35,26 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, sd)
 
 
+# Flat keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): every entry belongs to one parameter, so a pipeline
+# stage saves and loads only its own parameters' entries and checkpoints reshard across pp sizes.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class OptimizerState(Stateful):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
+        set_optimizer_state_dict(self.model, self.optimizer, sd, options=FLAT)
 
 
 class ZeroOneOptimizerState(Stateful):
     """ZeRO-1 (ZeroRedundancyOptimizer): each rank saves the AdamW state of the parameters it owns, under the
-    same keys get_optimizer_state_dict uses for a whole optimizer ({"state": {fqn: ...}, "param_groups"}), so
-    a checkpoint moves between ZeRO-1 and every other layout."""
+    same flat keys get_optimizer_state_dict gives a whole optimizer ("state.<fqn>.<key>",
+    "param_groups.<fqn>.<key>"), so a checkpoint moves between ZeRO-1 and every other layout."""
 
     def __init__(self, model: torch.nn.Module, zero) -> None:
         from hpctrain.parallelize import clean_name
@@ -59,22 +65,25 @@ class ZeroOneOptimizerState(Stateful):
         return [p for g in self.zero.optim.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        state = {}
+        out: dict[str, Any] = {}
         for p in self._owned():
             st = self.zero.optim.state.get(p)
             if not st:  # before the first step: zeros of the right shapes, so a load has places to fill
                 st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
                 self.zero.optim.state[p] = st
-            state[self.names[p]] = st
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self.names[p] for p in g["params"]]}
-                  for g in self.zero.param_groups]
-        return {"state": state, "param_groups": groups}
+            out.update({f"state.{self.names[p]}.{k}": v for k, v in st.items()})
+        for g in self.zero.param_groups:  # every rank holds every group's hyperparameters
+            for p in g["params"]:
+                out.update({f"param_groups.{self.names[p]}.{k}": v for k, v in g.items() if k != "params"})
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for p in self._owned():
-            self.zero.optim.state[p] = dict(sd["state"][self.names[p]])
-        for group, saved in zip(self.zero.param_groups, sd["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            prefix = f"state.{self.names[p]}."
+            self.zero.optim.state[p] = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        for g in self.zero.param_groups:
+            prefix = f"param_groups.{self.names[g['params'][0]]}."
+            g.update({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
 
 
 def rng_table(world: int) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""Pipeline parallelism on torch.distributed.pipelining: which blocks each stage holds and which pp rank runs it
+(pure, `StagePlan`), the stage modules (slices of the rank's model that keep the full model's parameter names, so
+checkpoints reshard across pp sizes), the schedule, and per-rank compute timing for the bubble metric.
+
+    plan = StagePlan.build(cfg.parallel, cfg.model.n_layers)        # refuses bad layer counts up front
+    prune(model, plan, pp_rank)                                     # the rank keeps only its blocks
+    parts = [stage_module(model, plan, s) for s in plan.stages_of(pp_rank)]
+    pipe = Pipeline(plan, parts, pp_rank, pp_group, device, microbatches, loss_fn)
+    losses = pipe.step(x, y)                                        # per-micro-batch losses on the last stage
+
+Stage s holds plan.layers[s] (global block indices); stage 0 also the embedding, the last stage the final norm
+and the output projection. Stages go to pp ranks round robin (s % pp: rank r runs r, r + pp, ...), or in a V
+for the ZBV schedule (rank r runs r and 2 pp - 1 - r).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+# config name -> (torch schedule class name, runs several stages per rank)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+    "looped_bfs": ("ScheduleLoopedBFS", True),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", True),
+    "zbv": ("ScheduleZBVZeroBubble", True),
+}
+
+
+def balanced_layers(n_layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage as even as possible; the first stages take the remainder, since the last one also runs
+    the output projection and the loss."""
+    base, extra = divmod(n_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    pp: int
+    virtual: int  # stages per pp rank
+    schedule: str
+    layers: tuple[tuple[int, ...], ...]  # global block indices of each stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def last(self) -> int:
+        return self.num_stages - 1
+
+    def rank_of(self, stage: int) -> int:
+        if self.schedule == "zbv":  # V: down the ranks, then back up
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == pp_rank]
+
+    def blocks_of(self, pp_rank: int) -> list[int]:
+        return sorted(b for s in self.stages_of(pp_rank) for b in self.layers[s])
+
+    def bubble_theory(self, microbatches: int) -> float | None:
+        """Idle share of a step with equal stages and free communication: (p - 1) / (v m + p - 1) for GPipe and
+        1F1B (v = 1) and the interleaved schedules; None for zero-bubble ones, whose bubble depends on the ratio
+        of forward, input-gradient and weight-gradient times."""
+        if "zero_bubble" in self.schedule or self.schedule == "zbv":
+            return None
+        p, v = self.pp, self.virtual
+        return (p - 1) / (v * microbatches + p - 1)
+
+    def check_microbatches(self, m: int) -> None:
+        """What torch's schedules need of the micro-batch count (train.grad_accum), checked before launch."""
+        if self.schedule == "1f1b" and m < self.pp:
+            raise ValueError(f"train.grad_accum = {m} micro-batches: 1F1B needs at least pp = {self.pp}")
+        if self.schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+            rounds = max(1, m // self.pp)
+            if m % rounds:
+                raise ValueError(f"train.grad_accum = {m} micro-batches: {self.schedule} needs a multiple of "
+                                 f"{rounds} (max(1, m // pp)); use a multiple of pp = {self.pp}")
+
+    @staticmethod
+    def build(parallel, n_layers: int) -> "StagePlan":
+        """From [parallel] (pp, pp_schedule, pp_virtual_stages, pp_layers) and model.n_layers."""
+        pp, v = parallel.pp, parallel.pp_virtual_stages
+        stages = pp * v
+        if parallel.pp_layers:
+            counts = list(parallel.pp_layers)
+            if sum(counts) != n_layers:
+                raise ValueError(f"parallel.pp_layers = {counts} sums to {sum(counts)}; model.n_layers = {n_layers}")
+        else:
+            if n_layers < stages:
+                raise ValueError(f"model.n_layers = {n_layers} cannot fill pp ({pp}) x pp_virtual_stages ({v}) = "
+                                 f"{stages} pipeline stages with a block each")
+            counts = balanced_layers(n_layers, stages)
+        empty = [s for s, n in enumerate(counts) if n == 0 and 0 < s < stages - 1]
+        if empty:
+            raise ValueError(f"parallel.pp_layers = {counts}: middle stage(s) {empty} would hold no block")
+        layers, start = [], 0
+        for n in counts:
+            layers.append(tuple(range(start, start + n)))
+            start += n
+        return StagePlan(pp, v, parallel.pp_schedule, tuple(layers))
+
+
+# -- stage modules ------------------------------------------------------------------------------------------------
+
+def prune(model: nn.Module, plan: StagePlan, pp_rank: int) -> None:
+    """Drops what this pp rank does not run: other stages' blocks, the embedding unless it runs stage 0, the
+    final norm and output unless it runs the last stage. Block names (global indices) stay."""
+    stages = plan.stages_of(pp_rank)
+    keep = {str(b) for b in plan.blocks_of(pp_rank)}
+    for key in [k for k in model.layers if k not in keep]:
+        del model.layers[key]
+    if 0 not in stages:
+        model.tok_embeddings = None
+    if plan.last not in stages:
+        model.norm, model.output = None, None
+
+
+def stage_module(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
+    """A module that runs one stage with the rank's own (already parallelised) submodules, under their full-model
+    names: the same class as the model, so its forward skips what is None."""
+    part = type(model).__new__(type(model))
+    nn.Module.__init__(part)
+    part.dims = model.dims
+    part.tok_embeddings = model.tok_embeddings if stage == 0 else None
+    part.layers = nn.ModuleDict({str(b): model.layers[str(b)] for b in plan.layers[stage]})
+    last = stage == plan.last
+    part.norm, part.output = (model.norm, model.output) if last else (None, None)
+    part.register_buffer("rope_cos", torch.empty(0), persistent=False)
+    part.register_buffer("rope_sin", torch.empty(0), persistent=False)
+    return part
+
+
+# -- running --------------------------------------------------------------------------------------------------------
+
+def _timed_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        """A PipelineStage that adds up the time its compute takes (forward, backward, weight gradients);
+        what remains of a step is the bubble plus communication. CUDA events on a GPU."""
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.busy_s, self._events = 0.0, []
+
+        def _timed(self, fn, *args, **kwargs):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self._events.append((start, end))
+                return out
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        def forward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args, **kwargs):
+            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+        def take_busy(self) -> float:
+            """Compute seconds since the last call (synchronises the device)."""
+            if self._events:
+                self._events[-1][1].synchronize()
+                self.busy_s += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+                self._events = []
+            busy, self.busy_s = self.busy_s, 0.0
+            return busy
+
+    return TimedStage
+
+
+class Pipeline:
+    """This rank's stages and the schedule that drives them. `step(x, y)` runs one pipelined forward and
+    backward over `microbatches` equal slices of the batch (gradients averaged over them); it returns the
+    per-micro-batch losses on the rank that runs the last stage, None elsewhere. `timing()` gives the compute
+    and wall seconds of the steps since the last call."""
+
+    def __init__(self, plan: StagePlan, parts: list[nn.Module], pp_rank: int, group, device: torch.device,
+                 microbatches: int, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        import torch.distributed.pipelining as pipelining
+        plan.check_microbatches(microbatches)
+        timed = _timed_stage_class()
+        self.plan, self.device = plan, device
+        self.stage_ids = plan.stages_of(pp_rank)
+        self.stages = [timed(part, s, plan.num_stages, device, group=group)
+                       for part, s in zip(parts, self.stage_ids)]
+        cls_name, multi = SCHEDULES[plan.schedule]
+        cls = getattr(pipelining, cls_name)
+        self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=microbatches,
+                            loss_fn=loss_fn, scale_grads=True)
+        self.first, self.last = 0 in self.stage_ids, plan.last in self.stage_ids
+        self.busy_s = self.wall_s = 0.0
+        self.steps = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        t0 = time.perf_counter()
+        self.schedule.step(*args, **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.wall_s += time.perf_counter() - t0
+        self.busy_s += sum(st.take_busy() for st in self.stages)
+        self.steps += 1
+        return losses if self.last else None
+
+    def timing(self) -> dict[str, float]:
+        """{'steps', 'wall_s', 'busy_s'} accumulated since the last call, then reset."""
+        out = {"steps": self.steps, "wall_s": self.wall_s, "busy_s": self.busy_s}
+        self.busy_s = self.wall_s = 0.0
+        self.steps = 0
+        return out
