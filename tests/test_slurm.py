@@ -83,3 +83,21 @@ def test_example_trains_on_two_nodes(slurm_cluster, tmp_path) -> None:
     assert s["ok"] and [r["node"] for r in s["rank_map"]] == ["n1", "n1", "n2", "n2"]
     assert s["train"]["steps"] == 30 and s["train"]["final"]["loss"] < s["train"]["first_loss"] - 1.0
     assert "step 30/30" in out.stdout  # --wait echoed rank 0's progress
+
+
+def test_pipeline_across_nodes(slurm_cluster, tmp_path) -> None:
+    """3D on the local cluster: tp=2 inside each node, pp=2 across n1 and n2 (1F1B over 4 micro-batches)."""
+    out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", "--set", "parallel.pp=2",
+                   "--set", "train.steps=20", "--set", "train.micro_batch_size=2", "--set", "train.grad_accum=4",
+                   "--set", "train.log_every=10", timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    s = read_summary(tmp_path)
+    assert s["ok"] and s["layout"] == {"pp": 2, "dp": 1, "tp": 2}
+    stage_nodes = {(r["pp"], r["node"]) for r in s["rank_map"]}
+    assert stage_nodes == {(0, "n1"), (1, "n2")}  # each stage on its own node, tp inside it
+    assert s["checks"]["groups"]["pp"] == [[0, 2], [1, 3]] and s["checks"]["groups"]["tp"] == [[0, 1], [2, 3]]
+    train = s["train"]
+    assert train["steps"] == 20 and train["final"]["loss"] < train["first_loss"] - 0.5
+    pipe = train["pipeline"]
+    assert pipe["schedule"] == "1f1b" and [r["blocks"] for r in pipe["per_pp_rank"]] == [[0, 1], [2, 3]]
+    assert all(0 < r["idle_fraction"] < 1 for r in pipe["per_pp_rank"])
