@@ -1,8 +1,9 @@
 """`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks: collectives vs
 bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equation, activation checkpointing,
-checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall.
+checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall, pipeline bubble and
+activation memory per schedule.
 
-    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,ckpt_io,ckpt_async] [--ranks 4]
+    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,ckpt_io,ckpt_async,pipeline] [--ranks 4]
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
 several ranks; outputs go to benchmarks/results/. Exits non-zero if a step fails (a wrong collective result, or a
@@ -47,6 +48,8 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
         # drivers: 1, 2 and 4 ranks; 1 and 2 ranks
         "ckpt_io": [[sys.executable, str(HERE / "checkpoint_io.py"), "--run-root", run_root]],
         "ckpt_async": [[sys.executable, str(HERE / "async_stall.py"), "--run-root", run_root]],
+        # a driver: mpiexec -n 2 (p = 2 stages)
+        "pipeline": [[sys.executable, str(HERE / "pipeline_bubble.py")]],
     }
 
 

@@ -171,11 +171,11 @@ def batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
 
 def check_training(cfg: Config, tp: int, dp: int) -> list[str]:
     """Everything about the model and batch that can be refused before a job starts; returns notes to show
-    (the vocabulary padding)."""
-    _check_supported(cfg, tp, dp)
+    (the vocabulary padding, the pipeline's stages)."""
+    plan = _check_supported(cfg, tp, dp)
     dims = ModelDims.from_config(cfg.model, tp)
     batch_plan(cfg, dp)
-    notes = []
+    notes = [pipeline.describe(plan, cfg.train.grad_accum)] if plan else []
     if dims.vocab_size != dims.true_vocab_size:
         notes.append(f"model.vocab_size = {dims.true_vocab_size} padded to {dims.vocab_size} (a multiple of "
                      f"lcm(64, tp={tp})) so the vocabulary shards evenly")

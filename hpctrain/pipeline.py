@@ -108,6 +108,23 @@ class StagePlan:
         return StagePlan(pp, v, parallel.pp_schedule, tuple(layers))
 
 
+def describe(plan: StagePlan, microbatches: int) -> str:
+    """What the dry run shows: the schedule, and the blocks of each pp rank's stages."""
+    def span(blocks) -> str:
+        return f"{blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else (str(blocks[0]) if blocks else "none")
+    lines = [f"pipeline: {plan.schedule}, {plan.num_stages} stages over pp={plan.pp} ranks, {microbatches} "
+             f"micro-batches per step"
+             + (f", bubble (p-1)/(vm+p-1) = {plan.bubble_theory(microbatches):.3f}"
+                if plan.bubble_theory(microbatches) is not None else "")]
+    for r in range(plan.pp):
+        parts = []
+        for s in plan.stages_of(r):
+            extra = (["embedding"] if s == 0 else []) + (["norm, output"] if s == plan.last else [])
+            parts.append(f"stage {s} blocks {span(plan.layers[s])}" + (f" + {', '.join(extra)}" if extra else ""))
+        lines.append(f"  pp rank {r}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 # -- stage modules ------------------------------------------------------------------------------------------------
 
 def prune(model: nn.Module, plan: StagePlan, pp_rank: int) -> None:
@@ -196,7 +213,7 @@ class Pipeline:
         import torch.distributed.pipelining as pipelining
         plan.check_microbatches(microbatches)
         timed = _timed_stage_class()
-        self.plan, self.device = plan, device
+        self.plan, self.device, self.group = plan, device, group
         self.stage_ids = plan.stages_of(pp_rank)
         self.stages = [timed(part, s, plan.num_stages, device, group=group)
                        for part, s in zip(parts, self.stage_ids)]
@@ -209,13 +226,19 @@ class Pipeline:
         self.steps = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        import torch.distributed as dist
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        # The step is timed between barriers of the pp group, the same window on every stage: the last stage
+        # finishes its own work before the first stage's final backward, and that wait belongs to its bubble.
+        # (The ranks meet right after anyway, in the gradient-norm all-reduce.)
+        dist.barrier(group=self.group)
         t0 = time.perf_counter()
         self.schedule.step(*args, **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
         self.wall_s += time.perf_counter() - t0
         self.busy_s += sum(st.take_busy() for st in self.stages)
         self.steps += 1
