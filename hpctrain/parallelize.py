@@ -152,6 +152,12 @@ def _check_supported(cfg: Config, tp: int, dp: int) -> pipeline.StagePlan | None
                              f"and the output (last stage) live on different ranks; untie them")
         plan = pipeline.StagePlan.build(cfg.parallel, cfg.model.n_layers)
         plan.check_microbatches(cfg.train.grad_accum)
+        if plan.zero_bubble and z == 3 and dp > 1:
+            # measured: losses leave the single-process reference from the second step on (torch 2.13)
+            raise ValueError(f"parallel.pp_schedule = {plan.schedule!r} with parallel.zero_stage = 3 trains wrongly: "
+                             f"the deferred weight-gradient pass does not compose with parameters resharded after "
+                             f"forward; use zero_stage 2 (the same memory for gradients and optimizer state) or "
+                             f"a schedule without zero bubble (1f1b, interleaved_1f1b)")
     if z == 1 and tp > 1:
         raise ValueError(f"parallel.zero_stage = 1 with parallel.tp = {tp} is not supported (ZeRO-1 shards the "
                          f"optimizer of plain DDP); use zero_stage 0, 2 or 3 with tensor parallel")
@@ -206,16 +212,13 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
         autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
     materialize(model, dims, cfg.train.seed, device, parts or None)
     sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731
-    if plan and zero in (0, 1) and tp == 1:
-        # the schedule runs DDP's no_sync itself and reduces on the last micro-batch's backward
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        parts = [DDP(part, process_group=mesh.group("dp"), gradient_as_bucket_view=True,
-                     device_ids=[device.index] if device.type == "cuda" else None) for part in parts]
-    elif plan and zero in (2, 3):
+    if plan and zero in (2, 3):
         pass  # the schedule tells FSDP when the last micro-batch's backward runs
-    elif zero == 0 and tp > 1:
-        # DDP cannot hold DTensor parameters: replicate over dp by one coalesced all-reduce of the local
-        # gradient shards after the last micro-batch (no overlap with backward, unlike DDP's buckets)
+    elif zero == 0 and tp > 1 or plan and zero in (0, 1):
+        # One coalesced all-reduce of the (local shards of the) gradients over dp after the last micro-batch:
+        # DDP cannot hold DTensor parameters, and under pipeline parallel torch's DDP fails with several
+        # stages per rank (bucket rebuild assert in torch 2.13); in a pipeline the reduction waits for the last
+        # micro-batch anyway. ZeRO-1's optimizer then steps its shard of the averaged gradients.
         group = mesh.group("dp")
 
         @contextlib.contextmanager

@@ -65,11 +65,16 @@ class StagePlan:
     def blocks_of(self, pp_rank: int) -> list[int]:
         return sorted(b for s in self.stages_of(pp_rank) for b in self.layers[s])
 
+    @property
+    def zero_bubble(self) -> bool:
+        """Schedules that split backward into input- and weight-gradient passes."""
+        return self.schedule in ("interleaved_zero_bubble", "zbv")
+
     def bubble_theory(self, microbatches: int) -> float | None:
         """Idle share of a step with equal stages and free communication: (p - 1) / (v m + p - 1) for GPipe and
         1F1B (v = 1) and the interleaved schedules; None for zero-bubble ones, whose bubble depends on the ratio
         of forward, input-gradient and weight-gradient times."""
-        if "zero_bubble" in self.schedule or self.schedule == "zbv":
+        if self.zero_bubble:
             return None
         p, v = self.pp, self.virtual
         return (p - 1) / (v * microbatches + p - 1)

@@ -89,6 +89,18 @@ def test_training_refusals_before_launch(overrides, fragments) -> None:
         assert f in str(e.value), (f, str(e.value))
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zero_bubble"])
+def test_zero_bubble_with_zero3_is_refused(schedule) -> None:
+    # measured wrong (losses leave the reference from step 2) in torch 2.13; zero 2 trains right
+    cfg = load_config(None, ["parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.pp_virtual_stages=2",
+                             "model.n_layers=4", "train.grad_accum=4", "parallel.zero_stage=3"])
+    with pytest.raises(ValueError, match=f"'{schedule}' with parallel.zero_stage = 3 trains wrongly"):
+        check_training(cfg, tp=1, dp=2)
+    check_training(load_config(None, ["parallel.pp=2", f"parallel.pp_schedule={schedule}", "model.n_layers=4",
+                                      "parallel.pp_virtual_stages=2", "train.grad_accum=4",
+                                      "parallel.zero_stage=2"]), tp=1, dp=2)
+
+
 def test_stage_modules_keep_full_model_names() -> None:
     cfg = load_config(None, ["model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                              "parallel.pp_virtual_stages=2"])

@@ -52,6 +52,12 @@ FOUR = [
     *[{"name": f"pp2dp2_zero{z}", "overrides": PP + [f"parallel.zero_stage={z}", "train.micro_batch_size=1"]}
       for z in (0, 3)],
     {"name": "pp4_gpipe", "overrides": PP + FOUR_LAYERS + ["parallel.pp=4", "parallel.pp_schedule=gpipe"]},
+    {"name": "pp2v2dp2_interleaved_zero1_ac", "overrides": PP + FOUR_LAYERS + [
+        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "parallel.zero_stage=1",
+        "train.micro_batch_size=1", "train.ac=full"]},
+    {"name": "pp2v2dp2_zbv_zero2", "overrides": PP + FOUR_LAYERS + [
+        "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "parallel.zero_stage=2",
+        "train.micro_batch_size=1"]},
 ]
 
 
@@ -101,7 +107,8 @@ def test_pipeline_matches_single_process(results, case) -> None:
     _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
 
 
-@pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe"])
+@pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe", "pp2v2dp2_interleaved_zero1_ac",
+                                  "pp2v2dp2_zbv_zero2"])
 def test_pipeline_four_stages_match_single_process(results, case) -> None:
     _compare(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL)
 
