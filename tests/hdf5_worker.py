@@ -97,7 +97,8 @@ def check_corrupt(mesh, out: Path) -> None:
     if dist.get_rank() == 0:
         try:
             with h5py.File(path / "shard-1.h5", "r") as f:
-                at = f["/tensors.w/4_0"].id.get_chunk_info(0).byte_offset + 5
+                ds = f["/tensors.w/4_0"]
+                at = (ds.id.get_offset() if ds.chunks is None else ds.id.get_chunk_info(0).byte_offset) + 5
             with open(path / "shard-1.h5", "r+b") as fh:
                 fh.seek(at)
                 byte = fh.read(1)[0]

@@ -114,7 +114,7 @@ def test_round_trip_every_training_dtype(saved: Path) -> None:
         assert_same_state(got, training_state())
     with h5py.File(saved / "shard-0.h5", "r") as f:
         wte = f["model.wte/0_0"]
-        assert wte.chunks == (550, 1024) and wte.attrs["dtype"] == "float32"  # 2 equal chunks <= 4 MiB
+        assert wte.chunks is None and wte.attrs["dtype"] == "float32"  # contiguous by default
         assert f["model.bf16/0"].dtype == np.uint16 and f["model.bf16/0"].attrs["dtype"] == "bfloat16"
         assert f["optim.step/scalar"][()] == 1234 and f["train_state.step/bytes"].dtype == np.uint8
 
@@ -154,6 +154,17 @@ def test_planner_data_json_codec() -> None:
     assert _decode(_encode({"__tuple__": [1]})) == {"__tuple__": [1]}
     with pytest.raises(TypeError, match="no pickle"):
         _encode({"a": object()})
+
+
+def test_chunked_layout_round_trip(tmp_path: Path) -> None:
+    dcp.save(training_state(), storage_writer=HDF5Writer(tmp_path, chunk_bytes=4 << 20))
+    with h5py.File(tmp_path / "shard-0.h5", "r") as f:
+        assert f["model.wte/0_0"].chunks == (550, 1024)  # 2 equal chunks <= 4 MiB
+    got = zeros_like(training_state())
+    dcp.load(got, storage_reader=HDF5Reader(tmp_path, verify="full"))
+    assert_same_state(got, training_state())
+    flip_byte(tmp_path / "shard-0.h5", "/model.wte/0_0")
+    assert "crc32" in str(load_failure(tmp_path))
 
 
 def test_chunk_shape() -> None:

@@ -156,7 +156,7 @@ class CheckpointManager:
         """Saves and commits `step`; with asynchronous=True returns once the shards are staged in memory."""
         self.wait()  # at most one save in flight
         tmp = self._prepare(step, self._need_bytes(state))
-        writer = HDF5Writer(tmp, checksum=True)
+        writer = HDF5Writer(tmp, checksum=True, chunk_bytes=int(self.cfg.chunk_mb * (1 << 20)))
         if asynchronous:
             fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
                                  async_stager=self.stager)
