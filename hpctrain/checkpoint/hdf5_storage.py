@@ -168,45 +168,45 @@ class HDF5Writer(StorageWriter):
         return future
 
     def _write_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """Writes every item, then checksums while the file is flushed to disk: the fsync waits on the disk and
-        zlib's crc32 releases the GIL, so on a rank's CPU the checksums cost little more than the flush. A crc
-        is computed right away only for data that was copied to host here (GPU tensors), so no second copy of
-        a rank's state stays in memory; the crc32 attributes are added after the flush, and a short second fsync
-        makes them durable."""
+        """Writes every item while a second thread checksums what was written, then flushes the file while the
+        checksums finish: zlib's crc32 releases the GIL and the fsync waits on the disk, so the checksums cost
+        little more than the flush. Data copied to host here (GPU tensors) is checksummed at once, so no second
+        copy of a rank's state waits in memory. The crc32 attributes are added after the flush, and a short
+        second fsync makes them durable."""
         name = plan.storage_data
         path = self.path / name
-        stored, deferred = [], []  # deferred: (index into stored, array) still to checksum
-        with h5py.File(path, "w", locking=LOCKING, **FILE_OPTIONS) as f:
-            for item in plan.items:
-                data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
-                fqn = item.index.fqn
-                if item.type == WriteItemType.BYTE_IO:
-                    arr, dtype, leaf = np.frombuffer(data.getvalue(), dtype=np.uint8), "bytes", "bytes"
-                    attrs = {"fqn": fqn, "dtype": dtype}
-                    copied = True
-                else:
-                    t = data.detach()
-                    copied = t.device.type != "cpu" or not t.is_contiguous()
-                    t = t.to("cpu").contiguous()
-                    arr, dtype = _numpy_view(t), _dtype_name(t.dtype)
-                    offsets = list(item.tensor_data.chunk.offsets)
-                    leaf = "_".join(map(str, offsets)) or "scalar"
-                    attrs = {"fqn": fqn, "dtype": dtype, "offsets": np.array(offsets, dtype=np.int64),
-                             "sizes": np.array(t.shape, dtype=np.int64),
-                             "global_size": np.array(item.tensor_data.size, dtype=np.int64)}
-                dataset = f"/{quote(fqn, safe='')}/{leaf}"  # quote: a '/' inside an FQN is not a subgroup
-                chunks = _chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
-                ds = f.create_dataset(dataset, data=arr, chunks=chunks)
-                ds.attrs.update(attrs)
-                crc = None
-                if self.checksum and copied:
-                    ds.attrs["crc32"] = crc = _crc32(arr)
-                elif self.checksum:
-                    deferred.append((len(stored), arr))
-                stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc)))
-        with ThreadPoolExecutor(1) as flusher:
+        stored, pending = [], []  # pending: (index into stored, crc32 future)
+        with ThreadPoolExecutor(1) as crc_pool, ThreadPoolExecutor(1) as flusher:
+            with h5py.File(path, "w", locking=LOCKING, **FILE_OPTIONS) as f:
+                for item in plan.items:
+                    data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
+                    fqn = item.index.fqn
+                    if item.type == WriteItemType.BYTE_IO:
+                        arr, dtype, leaf = np.frombuffer(data.getvalue(), dtype=np.uint8), "bytes", "bytes"
+                        attrs = {"fqn": fqn, "dtype": dtype}
+                        copied = True
+                    else:
+                        t = data.detach()
+                        copied = t.device.type != "cpu" or not t.is_contiguous()
+                        t = t.to("cpu").contiguous()
+                        arr, dtype = _numpy_view(t), _dtype_name(t.dtype)
+                        offsets = list(item.tensor_data.chunk.offsets)
+                        leaf = "_".join(map(str, offsets)) or "scalar"
+                        attrs = {"fqn": fqn, "dtype": dtype, "offsets": np.array(offsets, dtype=np.int64),
+                                 "sizes": np.array(t.shape, dtype=np.int64),
+                                 "global_size": np.array(item.tensor_data.size, dtype=np.int64)}
+                    dataset = f"/{quote(fqn, safe='')}/{leaf}"  # quote: a '/' inside an FQN is not a subgroup
+                    chunks = _chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
+                    ds = f.create_dataset(dataset, data=arr, chunks=chunks)
+                    ds.attrs.update(attrs)
+                    crc = None
+                    if self.checksum and copied:
+                        ds.attrs["crc32"] = crc = _crc32(arr)
+                    elif self.checksum:
+                        pending.append((len(stored), crc_pool.submit(_crc32, arr)))
+                    stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc)))
             flushed = flusher.submit(_fsync, path)
-            crcs = [(i, _crc32(arr)) for i, arr in deferred]
+            crcs = [(i, future.result()) for i, future in pending]
             flushed.result()
         if crcs:
             with h5py.File(path, "r+", locking=LOCKING) as f:
@@ -298,10 +298,11 @@ class HDF5Reader(StorageReader):
         for req in plan.items:
             stored = self.storage_data[req.storage_index]
             by_file[stored.file][stored.dataset].append((req, stored))
-        with ThreadPoolExecutor(1) as crc_pool:
+        with ThreadPoolExecutor(1) as crc_pool, ThreadPoolExecutor(1) as prefetcher:
             pending: list = []  # (crc32 future, stored, where) of datasets read straight into their destination
             for name, by_dataset in by_file.items():
                 with self._open(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
+                    prefetcher.submit(_prefetch, self.path / name, _byte_ranges(f, list(by_dataset)))
                     for items in by_dataset.values():
                         self._read_dataset(f, items[0][1], [req for req, _ in items], planner, crc_pool, pending)
             for crc_future, stored, where in pending:
@@ -364,6 +365,50 @@ class HDF5Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return Path(checkpoint_id, INDEX).is_file()
+
+
+def _byte_ranges(f: h5py.File, datasets: list[str]) -> list[tuple[int, int]]:
+    """(offset, length) in the file of the datasets' data, neighbours merged; what cannot be located is left out
+    (the read then finds it, or reports it corrupt)."""
+    ranges = []
+    for name in datasets:
+        try:
+            dsid = f[name].id
+            if f[name].chunks is None:
+                offset = dsid.get_offset()
+                if offset is not None:
+                    ranges.append((offset, dsid.get_storage_size()))
+            else:
+                for i in range(dsid.get_num_chunks()):
+                    info = dsid.get_chunk_info(i)
+                    ranges.append((info.byte_offset, info.size))
+        except (KeyError, OSError, RuntimeError):
+            continue
+    merged: list[list[int]] = []
+    for offset, length in sorted(ranges):
+        if merged and offset <= merged[-1][0] + merged[-1][1] + (1 << 20):  # gaps under 1 MiB: read through
+            merged[-1][1] = max(merged[-1][1], offset + length - merged[-1][0])
+        else:
+            merged.append([offset, length])
+    return [(o, n) for o, n in merged]
+
+
+def _prefetch(path: Path, ranges: list[tuple[int, int]]) -> None:
+    """Asks the kernel to start reading these ranges now (posix_fadvise WILLNEED), so the disk streams ahead while
+    HDF5 reads dataset by dataset. A hint only: errors are ignored."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        for offset, length in ranges:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _check(got: int, stored: Stored, where: tuple[Path, str]) -> None:
