@@ -36,6 +36,7 @@ TWO = [
      "inject_inf_step": 3},
     # pipeline: 4 micro-batches of 2 per step, the reference's 8 sequences
     *[{"name": f"pp2_{sched}", "overrides": PP + [f"parallel.pp_schedule={sched}"]} for sched in ("gpipe", "1f1b")],
+    {"name": "pp2_bf16", "overrides": PP + ["train.precision=bf16"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
                                                                    "parallel.pp_virtual_stages=2"]}
       for sched in ("interleaved_1f1b", "zbv")],
@@ -118,9 +119,10 @@ def test_reference_learns(results) -> None:
     assert losses[-1] < losses[0] - 0.1  # a test that compares equal nothings would pass; this one would not
 
 
-def test_bf16_within_looser_tolerance(results) -> None:
-    _compare(results["dp2_zero3_bf16"], results["ref"], BF16_LOSS_TOL, None)
-    assert results["dp2_zero3_bf16"]["losses"] != results["ref"]["losses"]  # it really ran in bf16
+@pytest.mark.parametrize("case", ["dp2_zero3_bf16", "pp2_bf16"])
+def test_bf16_within_looser_tolerance(results, case) -> None:
+    _compare(results[case], results["ref"], BF16_LOSS_TOL, None)
+    assert results[case]["losses"] != results["ref"]["losses"]  # it really ran in bf16
 
 
 def test_fp16_skips_the_poisoned_step(results) -> None:

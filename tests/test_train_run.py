@@ -41,7 +41,8 @@ def test_train_writes_metrics_trace_and_plot(tmp_path) -> None:
     (["train.global_batch_size=30", "train.grad_accum=4"],
      "train.global_batch_size = 30 is not divisible by dp(2) x train.grad_accum(4) = 8"),
     (["parallel.zero_stage=1"], "parallel.zero_stage = 1 with parallel.tp = 2 is not supported"),
-    (["parallel.pp=2", "parallel.dp=1"], "parallel.pp = 2: pipeline-parallel training is not implemented"),
+    (["parallel.pp=2", "parallel.dp=1"], "train.grad_accum = 1 micro-batches: 1F1B needs at least pp = 2"),
+    (["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[3, 3]"], "parallel.pp_layers = [3, 3] sums to 6"),
     (["train.precision=fp8"], "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
     (["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be 0, 1, 2 or 3"),
 ])
