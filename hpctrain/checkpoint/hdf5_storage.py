@@ -168,53 +168,46 @@ class HDF5Writer(StorageWriter):
         return future
 
     def _write_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """Writes every item while a second thread checksums what was written, then flushes the file while the
-        checksums finish: zlib's crc32 releases the GIL and the fsync waits on the disk, so the checksums cost
-        little more than the flush. Data copied to host here (GPU tensors) is checksummed at once, so no second
-        copy of a rank's state waits in memory. The crc32 attributes are added after the flush, and a short
-        second fsync makes them durable."""
+        """Writes every item while a second thread checksums what was written (zlib's crc32 releases the GIL and
+        runs at ~3.7 GB/s here, ahead of the writes); the crc32 attributes go in before the file is closed and
+        flushed once. Data copied to host here (GPU tensors) is checksummed at once, so no second copy of a
+        rank's state waits in memory."""
         name = plan.storage_data
         path = self.path / name
-        stored, pending = [], []  # pending: (index into stored, crc32 future)
-        with ThreadPoolExecutor(1) as crc_pool, ThreadPoolExecutor(1) as flusher:
-            with h5py.File(path, "w", locking=LOCKING, **FILE_OPTIONS) as f:
-                for item in plan.items:
-                    data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
-                    fqn = item.index.fqn
-                    if item.type == WriteItemType.BYTE_IO:
-                        arr, dtype, leaf = np.frombuffer(data.getvalue(), dtype=np.uint8), "bytes", "bytes"
-                        attrs = {"fqn": fqn, "dtype": dtype}
-                        copied = True
-                    else:
-                        t = data.detach()
-                        copied = t.device.type != "cpu" or not t.is_contiguous()
-                        t = t.to("cpu").contiguous()
-                        arr, dtype = _numpy_view(t), _dtype_name(t.dtype)
-                        offsets = list(item.tensor_data.chunk.offsets)
-                        leaf = "_".join(map(str, offsets)) or "scalar"
-                        attrs = {"fqn": fqn, "dtype": dtype, "offsets": np.array(offsets, dtype=np.int64),
-                                 "sizes": np.array(t.shape, dtype=np.int64),
-                                 "global_size": np.array(item.tensor_data.size, dtype=np.int64)}
-                    dataset = f"/{quote(fqn, safe='')}/{leaf}"  # quote: a '/' inside an FQN is not a subgroup
-                    chunks = _chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
-                    ds = f.create_dataset(dataset, data=arr, chunks=chunks)
-                    ds.attrs.update(attrs)
-                    crc = None
-                    if self.checksum and copied:
-                        ds.attrs["crc32"] = crc = _crc32(arr)
-                    elif self.checksum:
-                        pending.append((len(stored), crc_pool.submit(_crc32, arr)))
-                    stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc)))
-            flushed = flusher.submit(_fsync, path)
-            crcs = [(i, future.result()) for i, future in pending]
-            flushed.result()
-        if crcs:
-            with h5py.File(path, "r+", locking=LOCKING) as f:
-                for i, crc in crcs:
-                    index, s = stored[i]
-                    f[s.dataset].attrs["crc32"] = crc
-                    stored[i] = (index, dataclasses.replace(s, crc32=crc))
-            _fsync(path)
+        stored, pending = [], []  # pending: (index into stored, dataset, crc32 future)
+        with ThreadPoolExecutor(1) as crc_pool, h5py.File(path, "w", locking=LOCKING, **FILE_OPTIONS) as f:
+            for item in plan.items:
+                data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    arr, dtype, leaf = np.frombuffer(data.getvalue(), dtype=np.uint8), "bytes", "bytes"
+                    attrs = {"fqn": fqn, "dtype": dtype}
+                    copied = True
+                else:
+                    t = data.detach()
+                    copied = t.device.type != "cpu" or not t.is_contiguous()
+                    t = t.to("cpu").contiguous()
+                    arr, dtype = _numpy_view(t), _dtype_name(t.dtype)
+                    offsets = list(item.tensor_data.chunk.offsets)
+                    leaf = "_".join(map(str, offsets)) or "scalar"
+                    attrs = {"fqn": fqn, "dtype": dtype, "offsets": np.array(offsets, dtype=np.int64),
+                             "sizes": np.array(t.shape, dtype=np.int64),
+                             "global_size": np.array(item.tensor_data.size, dtype=np.int64)}
+                dataset = f"/{quote(fqn, safe='')}/{leaf}"  # quote: a '/' inside an FQN is not a subgroup
+                chunks = _chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
+                ds = f.create_dataset(dataset, data=arr, chunks=chunks)
+                ds.attrs.update(attrs)
+                crc = None
+                if self.checksum and copied:
+                    ds.attrs["crc32"] = crc = _crc32(arr)
+                elif self.checksum:
+                    pending.append((len(stored), ds, crc_pool.submit(_crc32, arr)))
+                stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc)))
+            for i, ds, future in pending:
+                index, s = stored[i]
+                ds.attrs["crc32"] = crc = future.result()
+                stored[i] = (index, dataclasses.replace(s, crc32=crc))
+        _fsync(path)
         size = path.stat().st_size
         return [WriteResult(index=index, size_in_bytes=s.nbytes, storage_data=dataclasses.replace(s, file_bytes=size))
                 for index, s in stored]
@@ -225,7 +218,8 @@ class HDF5Writer(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         tmp = self.path / (INDEX + ".tmp")
         with open(tmp, "w", encoding="ascii") as fh:
-            json.dump(index_to_json(metadata, self.checksum), fh, separators=(",", ":"))
+            # one write: json.dump issues a write per token, which took 70-90 ms for ~1000 entries here
+            fh.write(json.dumps(index_to_json(metadata, self.checksum), separators=(",", ":")))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path / INDEX)  # the commit: readers see the whole index or none
