@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import REPO, free_base_port, spawn_ranks
 from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer
-from hpctrain.checkpoint.hdf5_storage import _chunk_shape
+from hpctrain.checkpoint.h5file import chunk_shape as _chunk_shape
 from hpctrain.checkpoint.index import _decode, _encode
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -24,10 +24,8 @@ import dataclasses
 import hashlib
 import io
 import json
-import math
 import os
 import uuid
-import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +51,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from hpctrain.checkpoint.h5file import (
+    CHUNK_BYTES,
+    FILE_OPTIONS,
+    LOCKING,
+    byte_ranges,
+    chunk_shape,
+    crc32,
+    from_numpy,
+    fsync,
+    numpy_view,
+    prefetch,
+)
 from hpctrain.checkpoint.index import (
     FORMAT,
     FORMAT_VERSION,
@@ -65,23 +75,8 @@ from hpctrain.checkpoint.index import (
 )
 
 DCP_VERSION = "1.0.0"  # what torch's own FileSystemWriter stamps on Metadata.version
-# 0: contiguous datasets. Side by side here (2 ranks, 0.99 GB, fsync), contiguous wrote at 0.84-0.90 of a raw
-# file write and 4 MiB chunks at 0.58-0.61; 64 MiB and 1 GiB chunks were slower still.
-CHUNK_BYTES = 0
-# Metadata aggregated into 1 MiB blocks instead of scattered small writes; datasets of 64 KiB or more start on a
-# 4 KiB boundary; the HDF5 1.10 format (readable by HDF5 1.10 and later), the newest the library offers above it.
-FILE_OPTIONS = {"libver": ("v110", "latest"), "meta_block_size": 1 << 20, "alignment_threshold": 65536,
-                "alignment_interval": 4096}
 VERIFY_MODES = ("full", "sampled", "none")
 SAMPLE_FRACTION = 1 / 8  # share of datasets verify="sampled" checks
-# One writer per file and no reader before the commit, so HDF5's file locks guard nothing here; they also fail on
-# Lustre or NFS mounts without flock ("unable to lock file").
-LOCKING = False
-
-# torch dtypes numpy lacks: stored as their bit pattern in the unsigned integer type of the same width
-RAW_DTYPES = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
-
-
 class CheckpointCorrupt(Exception):
     """A checkpoint's index, file or dataset is missing, truncated, unreadable or fails its checksum."""
 
@@ -92,44 +87,6 @@ class CheckpointCorrupt(Exception):
     def __str__(self) -> str:
         where = self.path if self.dataset is None else f"{self.path} dataset {self.dataset}"
         return f"corrupt checkpoint: {where}: {self.reason}"
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as numpy (bit patterns for dtypes numpy lacks); t must be a CPU tensor."""
-    raw = RAW_DTYPES.get(t.dtype)
-    return (t.view(raw) if raw is not None else t).numpy()
-
-
-def _from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(arr)
-    return t.view(dtype) if dtype in RAW_DTYPES else t
-
-
-def _crc32(arr: np.ndarray) -> int:
-    return zlib.crc32(arr.reshape(-1).view(np.uint8))
-
-
-def _chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[int, ...] | None:
-    """Whole trailing dims, as many leading rows as fit in chunk_bytes. Scalars and empty arrays are contiguous."""
-    if not shape or 0 in shape:
-        return None
-    chunk, target = list(shape), max(1, chunk_bytes // itemsize)
-    for dim in range(len(shape)):
-        if math.prod(chunk) <= target:
-            break
-        rows = max(1, target // math.prod(shape[dim + 1:]))
-        # equal chunks: a short last chunk is still stored at full size (1408 rows in 1024-row chunks took 23%
-        # more disk than data), so split the dim evenly instead
-        chunk[dim] = math.ceil(shape[dim] / math.ceil(shape[dim] / rows))
-    return tuple(chunk)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # a read-only descriptor flushes files and directories alike on Linux
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class HDF5Writer(StorageWriter):
@@ -187,27 +144,27 @@ class HDF5Writer(StorageWriter):
                     t = data.detach()
                     copied = t.device.type != "cpu" or not t.is_contiguous()
                     t = t.to("cpu").contiguous()
-                    arr, dtype = _numpy_view(t), _dtype_name(t.dtype)
+                    arr, dtype = numpy_view(t), _dtype_name(t.dtype)
                     offsets = list(item.tensor_data.chunk.offsets)
                     leaf = "_".join(map(str, offsets)) or "scalar"
                     attrs = {"fqn": fqn, "dtype": dtype, "offsets": np.array(offsets, dtype=np.int64),
                              "sizes": np.array(t.shape, dtype=np.int64),
                              "global_size": np.array(item.tensor_data.size, dtype=np.int64)}
                 dataset = f"/{quote(fqn, safe='')}/{leaf}"  # quote: a '/' inside an FQN is not a subgroup
-                chunks = _chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
+                chunks = chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
                 ds = f.create_dataset(dataset, data=arr, chunks=chunks)
                 ds.attrs.update(attrs)
                 crc = None
                 if self.checksum and copied:
-                    ds.attrs["crc32"] = crc = _crc32(arr)
+                    ds.attrs["crc32"] = crc = crc32(arr)
                 elif self.checksum:
-                    pending.append((len(stored), ds, crc_pool.submit(_crc32, arr)))
+                    pending.append((len(stored), ds, crc_pool.submit(crc32, arr)))
                 stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc)))
             for i, ds, future in pending:
                 index, s = stored[i]
                 ds.attrs["crc32"] = crc = future.result()
                 stored[i] = (index, dataclasses.replace(s, crc32=crc))
-        _fsync(path)
+        fsync(path)
         size = path.stat().st_size
         return [WriteResult(index=index, size_in_bytes=s.nbytes, storage_data=dataclasses.replace(s, file_bytes=size))
                 for index, s in stored]
@@ -223,7 +180,7 @@ class HDF5Writer(StorageWriter):
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path / INDEX)  # the commit: readers see the whole index or none
-        _fsync(self.path)  # makes the rename and every rank's new shard file durable
+        fsync(self.path)  # makes the rename and every rank's new shard file durable
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -296,7 +253,7 @@ class HDF5Reader(StorageReader):
             pending: list = []  # (crc32 future, stored, where) of datasets read straight into their destination
             for name, by_dataset in by_file.items():
                 with self._open(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
-                    prefetcher.submit(_prefetch, self.path / name, _byte_ranges(f, list(by_dataset)))
+                    prefetcher.submit(prefetch, self.path / name, byte_ranges(f, list(by_dataset)))
                     for items in by_dataset.values():
                         self._read_dataset(f, items[0][1], [req for req, _ in items], planner, crc_pool, pending)
             for crc_future, stored, where in pending:
@@ -334,15 +291,15 @@ class HDF5Reader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 assert target.shape == torch.Size(req.lengths), (req, target.shape)
                 if whole is None and _fits(target, ds.shape, stored.dtype):
-                    whole, filled = _numpy_view(target), True  # common case: read straight into the destination
+                    whole, filled = numpy_view(target), True  # common case: read straight into the destination
                     _read(ds, where, out=whole)
                     if unchecked:  # checked while the next dataset is read; read_data raises before returning
-                        pending.append((crc_pool.submit(_crc32, whole), stored, where))
+                        pending.append((crc_pool.submit(crc32, whole), stored, where))
                         unchecked = False
             if whole is None and (unchecked or target is None):
                 whole = _read(ds, where)
             if unchecked:  # before use: bytes items are unpickled by the planner
-                _check(_crc32(whole), stored, where)
+                _check(crc32(whole), stored, where)
                 unchecked = False
             if target is None:
                 planner.load_bytes(req, io.BytesIO(whole.tobytes()))
@@ -353,56 +310,12 @@ class HDF5Reader(StorageReader):
                     arr = _read(ds, where, select)  # only the slice this rank needs
                 else:
                     arr = whole[select] if select else whole
-                target.copy_(_from_numpy(arr, _dtype(stored.dtype)))
+                target.copy_(from_numpy(arr, _dtype(stored.dtype)))
             planner.commit_tensor(req, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return Path(checkpoint_id, INDEX).is_file()
-
-
-def _byte_ranges(f: h5py.File, datasets: list[str]) -> list[tuple[int, int]]:
-    """(offset, length) in the file of the datasets' data, neighbours merged; what cannot be located is left out
-    (the read then finds it, or reports it corrupt)."""
-    ranges = []
-    for name in datasets:
-        try:
-            dsid = f[name].id
-            if f[name].chunks is None:
-                offset = dsid.get_offset()
-                if offset is not None:
-                    ranges.append((offset, dsid.get_storage_size()))
-            else:
-                for i in range(dsid.get_num_chunks()):
-                    info = dsid.get_chunk_info(i)
-                    ranges.append((info.byte_offset, info.size))
-        except (KeyError, OSError, RuntimeError):
-            continue
-    merged: list[list[int]] = []
-    for offset, length in sorted(ranges):
-        if merged and offset <= merged[-1][0] + merged[-1][1] + (1 << 20):  # gaps under 1 MiB: read through
-            merged[-1][1] = max(merged[-1][1], offset + length - merged[-1][0])
-        else:
-            merged.append([offset, length])
-    return [(o, n) for o, n in merged]
-
-
-def _prefetch(path: Path, ranges: list[tuple[int, int]]) -> None:
-    """Asks the kernel to start reading these ranges now (posix_fadvise WILLNEED), so the disk streams ahead while
-    HDF5 reads dataset by dataset. A hint only: errors are ignored."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        for offset, length in ranges:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _check(got: int, stored: Stored, where: tuple[Path, str]) -> None:

@@ -25,7 +25,8 @@ import h5py
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, Stored, _check, _crc32, _read
+from hpctrain.checkpoint.h5file import crc32
+from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, Stored, _check, _read
 from hpctrain.checkpoint.manager import EXTRA, MARKER, committed
 
 _STEP_DIR = re.compile(r"step_(\d{8})(\.partial)?")  # manager.step_name, and the temporary name of a save
@@ -256,7 +257,7 @@ def _verify_dataset(f: h5py.File, ckpt: Path, s: Stored, hash_it: bool, v: Verdi
     if s.crc32 is None:
         v.unchecksummed += 1
     elif hash_it:
-        _check(_crc32(_read(ds, where)), s, where)
+        _check(crc32(_read(ds, where)), s, where)
         v.num_hashed += 1
         v.bytes_hashed += nbytes
 
@@ -339,7 +340,7 @@ def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_fi
             raise CheckpointCorrupt(*where, "missing from the file") from None
         arr = _read(ds, where)  # raw bits for bfloat16 and float8 (uint16/uint8)
         if s.crc32 is not None:
-            _check(_crc32(arr), s, where)
+            _check(crc32(arr), s, where)
         if full is None:
             full = np.empty(size, dtype=arr.dtype)
         full[tuple(slice(o, o + n) for o, n in zip(offsets, arr.shape))] = arr
