@@ -30,3 +30,12 @@ def run_worlds(script: str, name: str, ranks: list[int], argv: list[str]) -> dic
             sys.exit(f"{name} failed on {n} ranks")
         worlds[n] = json.loads((RESULTS / f"{name}-{n}ranks.json").read_text())
     return worlds
+
+
+def write_results(name: str, doc: dict) -> Path:
+    """Writes results/<name> as indented JSON and says where."""
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / name
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"# wrote {out}", flush=True)
+    return out

@@ -21,7 +21,6 @@ Writes benchmarks/results/activation_checkpointing.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _launch import write_results
 from hpctrain import session
 from hpctrain.config import load_config
 from hpctrain.train import Trainer
@@ -167,14 +167,11 @@ def report(args, cfg, dims, memory: dict, losses: dict, times: dict, threads) ->
     print(f"# full checkpointing cuts saved activations by {cut:.1%} (target >= {TARGET:.0%}: {verdict}); "
           f"step time {x['full']} (FLOPs predict x{rows['full']['time_vs_none_flops']:.3f}); every-2 cuts "
           f"{1 - rows['every']['saved_vs_none']:.1%} for {x['every']}")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "activation_checkpointing.json"
-    out.write_text(json.dumps({
+    write_results("activation_checkpointing.json", {
         "cut_full": cut, "target": TARGET, "verdict": verdict, "rows": rows, "loss_diff": loss_diff,
         "loss_tol": LOSS_TOL, "times_s": times, "steps_per_round": args.steps, "threads": threads,
         "params": dims.num_params(), "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len,
-        "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
-    print(f"# wrote {out}")
+        "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
     if not checks_ok:
         sys.exit("check failed: the compared loops do not train the same model on the same data")
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import run_worlds
+from _launch import run_worlds, write_results
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -184,10 +184,7 @@ def worker(args) -> None:
             doc = summarise(rows, n, num_params, state_gb, tr.pm.zero_stage, s.summary["cpu_threads_per_rank"])
             doc["staging_what_if"] = what_if
             report(doc)
-            RESULTS.mkdir(exist_ok=True)
-            out = RESULTS / f"async_stall-{n}ranks.json"
-            out.write_text(json.dumps(doc, indent=1) + "\n")
-            print(f"# wrote {out}", flush=True)
+            write_results(f"async_stall-{n}ranks.json", doc)
         if not all(r["committed_ok"] for r in rows):
             sys.exit("async_stall: a save did not end committed")
 
@@ -261,10 +258,8 @@ def driver(args, argv: list[str]) -> None:
     verdict = "MET" if not misses else "NOT MET"
     print(f"# async stall <= {TARGET} x sync save at every world size: {verdict}"
           + (f"; missed: {'; '.join(misses)}" if misses else ""))
-    out = RESULTS / "async_stall.json"
-    out.write_text(json.dumps({"verdict": verdict, "missed": misses, "target": TARGET,
-                               "worlds": {str(k): w for k, w in worlds.items()}}, indent=1) + "\n")
-    print(f"# wrote {out}")
+    write_results("async_stall.json", {"verdict": verdict, "missed": misses, "target": TARGET,
+                                       "worlds": {str(k): w for k, w in worlds.items()}})
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ benchmarks/results/checkpoint_io-<n>ranks.json; the driver also benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -39,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _launch import run_worlds
+from _launch import run_worlds, write_results
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -236,10 +235,7 @@ def worker(args) -> None:
         if rank == 0:
             doc = summarise(rounds, systems, nbytes, n, len(state))
             report(doc)
-            RESULTS.mkdir(exist_ok=True)
-            out = RESULTS / f"checkpoint_io-{n}ranks.json"
-            out.write_text(json.dumps(doc, indent=1) + "\n")
-            print(f"# wrote {out}", flush=True)
+            write_results(f"checkpoint_io-{n}ranks.json", doc)
         bad = [r for row in rounds for k, r in row.items() if k != "order" and not r["ok"]]
         if bad:
             sys.exit(f"checkpoint_io: a load differs from what was saved ({len(bad)} cases)")
@@ -343,10 +339,8 @@ def driver(args, argv: list[str]) -> None:
     verdict = "NOT MET" if misses else "MET" if verdicts == {"MET"} else "INCOMPLETE"
     print(f"# targets HDF5/DCP save >= 1.0, load >= 1.0, HDF5 save/dd >= 0.7 at every world size: {verdict}; "
           f"missed: {'; '.join(misses) or 'none'}")
-    out = RESULTS / "checkpoint_io.json"
-    out.write_text(json.dumps({"verdict": verdict, "missed": misses, "targets": TARGETS,
-                               "worlds": {str(k): w for k, w in worlds.items()}}, indent=1) + "\n")
-    print(f"# wrote {out}")
+    write_results("checkpoint_io.json", {"verdict": verdict, "missed": misses, "targets": TARGETS,
+                                         "worlds": {str(k): w for k, w in worlds.items()}})
 
 
 def main() -> None:

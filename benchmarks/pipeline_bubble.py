@@ -24,13 +24,14 @@ one thread per rank on this 2-core machine. Writes benchmarks/results/pipeline_b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 import weakref
 from pathlib import Path
+
+from _launch import mpiexec, write_results
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -155,12 +156,9 @@ def report(rows: list[dict], ms: list[int]) -> None:
             memory.append({"m": m, "ratio_1f1b_vs_gpipe": ratio})
             print(f"# activation memory 1F1B / GPipe at m={m}: rank 0 {ratio[0]:.2f}, rank 1 {ratio[1]:.2f} "
                   f"(p/m = {2 / m:.2f})")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "pipeline_bubble.json"
-    out.write_text(json.dumps({"pp": 2, "rows": rows, "memory": memory, "worst_points_off": worst,
-                               "target_points": TARGET_POINTS, "verdict": "MET" if bubble_ok else "NOT MET",
-                               "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
-    print(f"# wrote {out}")
+    write_results("pipeline_bubble.json", {"pp": 2, "rows": rows, "memory": memory, "worst_points_off": worst,
+                                           "target_points": TARGET_POINTS, "verdict": "MET" if bubble_ok else "NOT MET",
+                                           "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def main() -> None:
@@ -172,7 +170,6 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from _launch import mpiexec
     cmd = [mpiexec(), "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", "--steps",
            str(args.steps), "--ms", args.ms]
     print(f"=== {' '.join(cmd)}", flush=True)

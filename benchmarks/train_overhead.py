@@ -16,7 +16,6 @@ like with like). Writes benchmarks/results/train_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _launch import write_results
 from hpctrain import data, session
 from hpctrain.bench.gemm import measure_gemm
 from hpctrain.config import load_config
@@ -145,17 +145,14 @@ def report(args, cfg, dims: ModelDims, threads, same_init: bool, losses, times, 
           f"{loss_diff:.2e} (tol {LOSS_TOL:g})")
     print(f"# tokens/s ours/plain: best {ratio:.3f}, median {median_ratio:.3f}, paired {paired:.3f} "
           f"(target >= {TARGET} on best: {verdict})")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "train_overhead.json"
-    out.write_text(json.dumps({
+    write_results("train_overhead.json", {
         "ratio_best": ratio, "ratio_median": median_ratio, "ratio_paired_median": paired, "target": TARGET,
         "verdict": verdict,
         "params": dims.num_params(), "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len,
         "threads": threads, "plain_foreach": args.plain_foreach, "gemm_n": args.gemm_n, "gemm_tflops_best": peak,
         "flops_per_token": fpt, "same_init": same_init, "max_loss_diff": loss_diff, "loss_tol": LOSS_TOL,
         "rows": rows, "times_s": times, "steps_per_round": args.steps, "losses": losses,
-        "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
-    print(f"# wrote {out}")
+        "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
     if not checks_ok:
         sys.exit("check failed: the compared loops do not train the same model on the same data")
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from pathlib import Path
 
-from _launch import run_worlds
+from _launch import run_worlds, write_results
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -141,12 +140,9 @@ def worker(args) -> None:
         if rank == 0:
             for case in CASES:
                 report_world([r for r in rows if r["case"] == case], n)
-            RESULTS.mkdir(exist_ok=True)
-            out = RESULTS / f"zero_memory-{n}ranks.json"
-            out.write_text(json.dumps({"nranks": n, "rows": rows, "target_rel_err": TARGET,
-                                       "verdict": verdict(rows), "cases": CASES, "torch": torch.__version__,
-                                       "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
-            print(f"# wrote {out}")
+            write_results(f"zero_memory-{n}ranks.json", {"nranks": n, "rows": rows, "target_rel_err": TARGET,
+                                         "verdict": verdict(rows), "cases": CASES, "torch": torch.__version__,
+                                         "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def summarise(case: str, stage: int, num_params: int, n: int, every: list[dict]) -> dict:
@@ -203,10 +199,8 @@ def driver(args) -> None:
     v = verdict(rows)
     print(f"# model 'even', every component and total within {TARGET:.0%} of the equation: {v}; outside "
           f"{TARGET:.0%}: {'; '.join(misses) or 'none'}")
-    out = RESULTS / "zero_memory.json"
-    out.write_text(json.dumps({"verdict": v, "target_rel_err": TARGET, "outside_target": misses,
-                               "worlds": {str(k): w for k, w in worlds.items()}}, indent=1) + "\n")
-    print(f"# wrote {out}")
+    write_results("zero_memory.json", {"verdict": v, "target_rel_err": TARGET, "outside_target": misses,
+                                       "worlds": {str(k): w for k, w in worlds.items()}})
 
 
 def main() -> None:
