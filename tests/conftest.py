@@ -48,8 +48,20 @@ def run_mpiexec(mpiexec: str, *parts: list[str], timeout: float = 180) -> subpro
                           stdin=subprocess.DEVNULL)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_base_port(n: int) -> int:
-    """A base port with n free ports above it, one per process group a worker starts in turn."""
+    """A base port with n free ports above it, one per process group a worker starts in turn. Taken below the
+    kernel's ephemeral range: gloo listens on ephemeral ports, and one that landed inside a worker's range
+    (seen: a gloo socket of the previous case on base + 2) made the next case's ranks talk to it and hang."""
+    import random
+
     def free(port: int) -> bool:
         with socket.socket() as sock:
             try:
@@ -57,11 +69,11 @@ def free_base_port(n: int) -> int:
                 return True
             except OSError:
                 return False
+    low, _ = _ephemeral_range()
+    top = max(low - n - 1, 10000 + n)
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + n < 65000 and all(free(base + i) for i in range(n)):
+        base = random.randrange(10000, top)
+        if all(free(base + i) for i in range(n)):
             return base
 
 

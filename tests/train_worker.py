@@ -20,7 +20,7 @@ from hpctrain.train import Trainer
 TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
         "data.source=synthetic", "data.seq_len=32", "train.steps=8", "train.lr=1e-3", "train.warmup_steps=2",
         "train.log_every=100", "train.peak_tflops=1", "train.micro_batch_size=8", "parallel.pp=1",
-        "parallel.tp=1", "parallel.dp=-1"]
+        "parallel.tp=1", "parallel.dp=-1", "parallel.timeout_s=180"]
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
