@@ -37,7 +37,8 @@ def training_state() -> dict:
         "model": {"wte": torch.randn(1100, 1024, generator=gen), "ln.bias": torch.randn(64, generator=gen),
                   "bf16": torch.from_numpy(BF16_BITS.copy()).view(torch.bfloat16),
                   "bf16_randn": torch.randn(33, 17, generator=gen).bfloat16(),
-                  "fp16": torch.randn(5, 7, generator=gen).half(), "empty": torch.zeros(0, 4)},
+                  "fp16": torch.randn(5, 7, generator=gen).half(), "empty": torch.zeros(0, 4),
+                  "odd/name%2F": torch.arange(6.0)},  # stored under a quoted group name
         "optim": {"step": torch.tensor(1234, dtype=torch.int64),
                   "exp_avg": [torch.randn(64, 8, generator=gen), torch.randn(3, generator=gen)]},
         "train_state": {"step": 12, "tokens_seen": 2**40, "lr": 3e-4, "data": {"epoch": 1, "name": "corpus"}},
@@ -254,7 +255,8 @@ def test_without_checksums(tmp_path: Path) -> None:
 
 # Lists every tensor of every shard file with h5py and numpy only: what a user without hpctrain can do.
 PLAIN_H5PY_LISTING = r"""
-import json, sys
+import json, sys, zlib
+from urllib.parse import unquote
 import h5py, numpy as np
 rows = []
 for path in sys.argv[1:]:
@@ -265,8 +267,10 @@ for path in sys.argv[1:]:
             arr = obj[...]
             if obj.attrs["dtype"] == "bfloat16":  # bf16 bits are the high half of a float32
                 arr = (arr.astype(np.uint32) << 16).view(np.float32)
-            rows.append({"file": path.rsplit("/", 1)[-1], "fqn": obj.attrs["fqn"], "dtype": obj.attrs["dtype"],
-                         "offsets": obj.attrs["offsets"].tolist(), "shape": list(arr.shape),
+            group, leaf = name.rsplit("/", 1)  # /<quoted fqn>/<offsets joined by _>
+            offsets = [] if leaf == "scalar" else [int(x) for x in leaf.split("_")]
+            rows.append({"file": path.rsplit("/", 1)[-1], "fqn": unquote(group), "dtype": obj.attrs["dtype"],
+                         "offsets": offsets, "shape": list(arr.shape), "crc_ok": bool(zlib.crc32(obj[...].tobytes()) == obj.attrs["crc32"]),
                          "sum": float(arr.astype(np.float64).sum())})
         f.visititems(visit)
 print(json.dumps({"rows": rows, "imported": sorted({m.split(".")[0] for m in sys.modules} & {"torch", "hpctrain"})}))
@@ -293,7 +297,8 @@ def flat_tensors(state, prefix: str = "") -> dict[str, torch.Tensor]:
 def test_shard_files_list_with_plain_h5py(saved: Path) -> None:
     rows = {row["fqn"]: row for row in list_with_plain_h5py(saved)}
     tensors = flat_tensors(training_state())
-    assert rows.keys() == tensors.keys() and "optim.exp_avg.1" in rows
+    assert rows.keys() == tensors.keys() and "optim.exp_avg.1" in rows and "model.odd/name%2F" in rows
+    assert all(row["crc_ok"] for row in rows.values()), rows  # zlib's crc32 of the bytes: the attribute
     for fqn, t in tensors.items():
         want = t.float().numpy().astype(np.float64).sum()  # the same numpy sum over the same values
         assert rows[fqn]["shape"] == list(t.shape) and rows[fqn]["dtype"] == str(t.dtype)[6:], rows[fqn]

@@ -1,16 +1,20 @@
 """The bytes of one HDF5 shard file, below DCP: the file layout options, torch tensors as numpy (bit patterns for
-dtypes numpy lacks), crc32 checksums, dataset chunking, fsync, and read-ahead of the byte ranges a load needs.
-hdf5_storage.py builds DCP's StorageWriter and StorageReader on these."""
+dtypes numpy lacks), crc32 checksums, dataset chunking, dataset creation through h5py's low-level API, fsync, and
+read-ahead of the byte ranges a load needs. hdf5_storage.py builds DCP's StorageWriter and StorageReader on these."""
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
+
+try:  # the same CRC-32 as zlib's, computed with carry-less multiply: 30 GB/s on one core here against zlib's 4
+    from zlib_ng import zlib_ng as _zlib
+except ImportError:  # platforms without a zlib-ng wheel: identical values, only slower
+    import zlib as _zlib
 
 # 0: contiguous datasets. Side by side here (2 ranks, 0.99 GB, fsync), contiguous wrote at 0.84-0.90 of a raw
 # file write and 4 MiB chunks at 0.58-0.61; 64 MiB and 1 GiB chunks were slower still.
@@ -39,7 +43,8 @@ def from_numpy(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def crc32(arr: np.ndarray) -> int:
-    return zlib.crc32(arr.reshape(-1).view(np.uint8))
+    """CRC-32 (zlib's polynomial and values) of the array's bytes."""
+    return _zlib.crc32(arr.reshape(-1).view(np.uint8))
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[int, ...] | None:
@@ -55,6 +60,49 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tupl
         # more disk than data), so split the dim evenly instead
         chunk[dim] = math.ceil(shape[dim] / math.ceil(shape[dim] / rows))
     return tuple(chunk)
+
+
+class DatasetMaker:
+    """Creates datasets and their attributes through h5py's low-level API, with the property lists made once per
+    file. For 243 small datasets with 2 attributes each this took 44 ms where h5py's high-level create_dataset and
+    attrs took 145 ms: with 4 ranks on 2 cores that CPU showed in every save. Datasets carry no timestamps, so
+    equal states give equal files."""
+
+    def __init__(self, f: h5py.File):
+        self.fid = f.id
+        self.lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        self.lcpl.set_create_intermediate_group(True)  # "/<fqn>/<leaf>": the group comes with its first dataset
+        self.dcpl = self._dcpl(None)
+        self.scalar = h5py.h5s.create(h5py.h5s.SCALAR)
+        self.text = h5py.string_dtype()  # variable-length UTF-8: plain h5py reads it back as str
+        self.text_file, self.text_mem = h5py.h5t.py_create(self.text, logical=True), h5py.h5t.py_create(self.text)
+
+    @staticmethod
+    def _dcpl(chunks: tuple[int, ...] | None):
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_obj_track_times(False)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every element is written at once
+        if chunks is not None:
+            dcpl.set_chunk(chunks)
+        return dcpl
+
+    def dataset(self, name: str, arr: np.ndarray, chunks: tuple[int, ...] | None = None):
+        """Creates dataset `name` (intermediate groups included) holding arr; returns its low-level id."""
+        space = h5py.h5s.create_simple(arr.shape) if arr.ndim else self.scalar
+        dcpl = self.dcpl if chunks is None else self._dcpl(chunks)
+        dsid = h5py.h5d.create(self.fid, name.encode(), h5py.h5t.py_create(arr.dtype), space, dcpl=dcpl,
+                               lcpl=self.lcpl)
+        if arr.size:
+            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(arr))
+        return dsid
+
+    def text_attr(self, obj, key: str, value: str) -> None:
+        attr = h5py.h5a.create(obj, key.encode(), self.text_file, self.scalar)
+        attr.write(np.asarray(value, dtype=self.text), mtype=self.text_mem)
+
+    def uint32_attr(self, obj, key: str, value: int) -> None:
+        attr = h5py.h5a.create(obj, key.encode(), h5py.h5t.STD_U32LE, self.scalar)
+        attr.write(np.asarray(value, dtype=np.uint32))
 
 
 def fsync(path: Path) -> None:
