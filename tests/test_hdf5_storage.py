@@ -270,7 +270,8 @@ for path in sys.argv[1:]:
             group, leaf = name.rsplit("/", 1)  # /<quoted fqn>/<offsets joined by _>
             offsets = [] if leaf == "scalar" else [int(x) for x in leaf.split("_")]
             rows.append({"file": path.rsplit("/", 1)[-1], "fqn": unquote(group), "dtype": obj.attrs["dtype"],
-                         "offsets": offsets, "shape": list(arr.shape), "crc_ok": bool(zlib.crc32(obj[...].tobytes()) == obj.attrs["crc32"]),
+                         "offsets": offsets, "shape": list(arr.shape),
+                         "crc_ok": bool(zlib.crc32(obj[...].tobytes()) == obj.attrs["crc32"]),
                          "sum": float(arr.astype(np.float64).sum())})
         f.visititems(visit)
 print(json.dumps({"rows": rows, "imported": sorted({m.split(".")[0] for m in sys.modules} & {"torch", "hpctrain"})}))

@@ -113,14 +113,13 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def byte_ranges(f: h5py.File, datasets: list[str]) -> list[tuple[int, int]]:
+def byte_ranges(datasets: list[h5py.h5d.DatasetID]) -> list[tuple[int, int]]:
     """(offset, length) in the file of the datasets' data, neighbours merged; what cannot be located is left out
     (the read then finds it, or reports it corrupt)."""
     ranges = []
-    for name in datasets:
+    for dsid in datasets:
         try:
-            dsid = f[name].id
-            if f[name].chunks is None:
+            if dsid.get_create_plist().get_layout() != h5py.h5d.CHUNKED:
                 offset = dsid.get_offset()
                 if offset is not None:
                     ranges.append((offset, dsid.get_storage_size()))
@@ -128,7 +127,7 @@ def byte_ranges(f: h5py.File, datasets: list[str]) -> list[tuple[int, int]]:
                 for i in range(dsid.get_num_chunks()):
                     info = dsid.get_chunk_info(i)
                     ranges.append((info.byte_offset, info.size))
-        except (KeyError, OSError, RuntimeError):
+        except (OSError, RuntimeError):
             continue
     merged: list[list[int]] = []
     for offset, length in sorted(ranges):

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import uuid
 from collections import defaultdict
@@ -56,8 +57,8 @@ from torch.futures import Future
 from hpctrain.checkpoint.h5file import (
     CHUNK_BYTES,
     FILE_OPTIONS,
-    DatasetMaker,
     LOCKING,
+    DatasetMaker,
     byte_ranges,
     chunk_shape,
     crc32,
@@ -241,9 +242,10 @@ class HDF5Reader(StorageReader):
         with ThreadPoolExecutor(1) as prefetcher:
             for name, by_dataset in by_file.items():
                 with self._open(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
-                    prefetcher.submit(prefetch, self.path / name, byte_ranges(f, list(by_dataset)))
-                    for items in by_dataset.values():
-                        self._read_dataset(f, items[0][1], [req for req, _ in items], planner)
+                    opened = [(self._dataset(f, items[0][1]), items) for items in by_dataset.values()]
+                    prefetcher.submit(prefetch, self.path / name, byte_ranges([dsid for dsid, _ in opened]))
+                    for dsid, items in opened:
+                        self._read_dataset(dsid, items[0][1], [req for req, _ in items], planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -260,14 +262,17 @@ class HDF5Reader(StorageReader):
         except OSError as e:
             raise CheckpointCorrupt(path, None, f"not a readable HDF5 file ({e})") from e
 
-    def _read_dataset(self, f: h5py.File, stored: Stored, reqs: list, planner: LoadPlanner) -> None:
+    def _dataset(self, f: h5py.File, stored: Stored) -> h5py.h5d.DatasetID:
+        """The stored dataset, opened through the low-level API (a third of h5py's high-level lookup cost), with
+        the size index.json gives it."""
         where = (self.path / stored.file, stored.dataset)
-        try:
-            ds = f[stored.dataset]
-        except KeyError:
-            raise CheckpointCorrupt(*where, "missing from the file") from None
-        if ds.size * ds.dtype.itemsize != stored.nbytes:
-            raise CheckpointCorrupt(*where, f"{ds.size * ds.dtype.itemsize} bytes, index.json says {stored.nbytes}")
+        dsid = open_dataset(f, where)
+        if dataset_nbytes(dsid) != stored.nbytes:
+            raise CheckpointCorrupt(*where, f"{dataset_nbytes(dsid)} bytes, index.json says {stored.nbytes}")
+        return dsid
+
+    def _read_dataset(self, dsid: h5py.h5d.DatasetID, stored: Stored, reqs: list, planner: LoadPlanner) -> None:
+        where = (self.path / stored.file, stored.dataset)
         unchecked = stored.crc32 is not None and self.verifies(stored.file, stored.dataset)
         whole = None  # the full stored array, read at most once
         for req in reqs:
@@ -275,11 +280,11 @@ class HDF5Reader(StorageReader):
             if req.type == LoadItemType.TENSOR:
                 target = planner.resolve_tensor(req).detach()
                 assert target.shape == torch.Size(req.lengths), (req, target.shape)
-                if whole is None and _fits(target, ds.shape, stored.dtype):
+                if whole is None and _fits(target, dsid.shape, stored.dtype):
                     whole, filled = numpy_view(target), True  # common case: read straight into the destination
-                    _read(ds, where, out=whole)
+                    _read(dsid, where, out=whole)
             if whole is None and (unchecked or target is None):
-                whole = _read(ds, where)
+                whole = _read(dsid, where)
             if unchecked:  # before use: the planner unpickles bytes items; tensors are committed below
                 _check(crc32(whole), stored, where)
                 unchecked = False
@@ -289,7 +294,7 @@ class HDF5Reader(StorageReader):
             if not filled:
                 select = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
                 if whole is None:
-                    arr = _read(ds, where, select)  # only the slice this rank needs
+                    arr = _read(dsid, where, select)  # only the slice this rank needs
                 else:
                     arr = whole[select] if select else whole
                 target.copy_(from_numpy(arr, _dtype(stored.dtype)))
@@ -311,11 +316,29 @@ def _fits(target: torch.Tensor, shape: tuple[int, ...], dtype: str) -> bool:
             and tuple(target.shape) == tuple(shape) and target.numel() > 0)
 
 
-def _read(ds: h5py.Dataset, where: tuple[Path, str], select: tuple = (), out: np.ndarray | None = None):
+def open_dataset(f: h5py.File, where: tuple[Path, str]) -> h5py.h5d.DatasetID:
     try:
-        if out is not None:
-            ds.read_direct(out)
-            return out
-        return ds[select] if select else ds[...]
+        return h5py.h5d.open(f.id, where[1].encode())
+    except KeyError:
+        raise CheckpointCorrupt(*where, "missing from the file") from None
+    except (OSError, RuntimeError, ValueError) as e:  # a damaged object header, or a group where a dataset was
+        raise CheckpointCorrupt(*where, f"not a readable dataset ({e})") from e
+
+
+def dataset_nbytes(dsid: h5py.h5d.DatasetID) -> int:
+    return math.prod(dsid.shape) * dsid.dtype.itemsize
+
+
+def _read(dsid: h5py.h5d.DatasetID, where: tuple[Path, str], select: tuple = (),
+          out: np.ndarray | None = None) -> np.ndarray:
+    """The whole dataset (into `out` when given: C-contiguous, of its shape and dtype), or the slice `select`."""
+    try:
+        if select:
+            return h5py.Dataset(dsid)[select]
+        if out is None:
+            out = np.empty(dsid.shape, dsid.dtype)
+        if out.size:
+            dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+        return out
     except (OSError, RuntimeError) as e:  # what h5py raises for damaged chunks and B-trees
         raise CheckpointCorrupt(*where, f"unreadable ({e})") from e

@@ -26,7 +26,16 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hpctrain.checkpoint.h5file import crc32
-from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, Stored, _check, _read
+from hpctrain.checkpoint.hdf5_storage import (
+    INDEX,
+    CheckpointCorrupt,
+    HDF5Reader,
+    Stored,
+    _check,
+    _read,
+    dataset_nbytes,
+    open_dataset,
+)
 from hpctrain.checkpoint.manager import EXTRA, MARKER, committed
 
 _STEP_DIR = re.compile(r"step_(\d{8})(\.partial)?")  # manager.step_name, and the temporary name of a save
@@ -247,17 +256,14 @@ def format_verdict(ckpt: Path, v: Verdict) -> str:
 
 def _verify_dataset(f: h5py.File, ckpt: Path, s: Stored, hash_it: bool, v: Verdict) -> None:
     where = (ckpt / s.file, s.dataset)
-    try:
-        ds = f[s.dataset]
-    except KeyError:
-        raise CheckpointCorrupt(*where, "missing from the file") from None
-    nbytes = ds.size * ds.dtype.itemsize
+    dsid = open_dataset(f, where)
+    nbytes = dataset_nbytes(dsid)
     if nbytes != s.nbytes:
         raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {s.nbytes}")
     if s.crc32 is None:
         v.unchecksummed += 1
     elif hash_it:
-        _check(crc32(_read(ds, where)), s, where)
+        _check(crc32(_read(dsid, where)), s, where)
         v.num_hashed += 1
         v.bytes_hashed += nbytes
 
@@ -334,11 +340,7 @@ def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_fi
     covered = 0
     for offsets, s in pieces:
         where = (ckpt / s.file, s.dataset)
-        try:
-            ds = open_file(s)[s.dataset]
-        except KeyError:
-            raise CheckpointCorrupt(*where, "missing from the file") from None
-        arr = _read(ds, where)  # raw bits for bfloat16 and float8 (uint16/uint8)
+        arr = _read(open_dataset(open_file(s), where), where)  # raw bits for bfloat16 and float8 (uint16/uint8)
         if s.crc32 is not None:
             _check(crc32(arr), s, where)
         if full is None:
