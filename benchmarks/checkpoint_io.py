@@ -1,7 +1,7 @@
 """Checkpoint save and load throughput: hpctrain's HDF5 storage vs DCP's FileSystemWriter/Reader vs torch.save/load
 on the same ~1 GB fp32 state, with `dd conv=fsync` timed in the same run as the disk's reference.
 
-    python benchmarks/checkpoint_io.py [--ranks 1,2,4] [--rounds 3] [--systems hdf5,dcp,torch,dd]
+    python benchmarks/checkpoint_io.py [--ranks 1,2,4] [--rounds 12] [--systems hdf5,dcp,torch,dd]
                                                     # driver: launches itself under mpiexec -n 1, 2, 4
     mpiexec -n 2 python benchmarks/checkpoint_io.py     # one world size
 
@@ -20,11 +20,11 @@ Every save ends durable. Before every load the files are fsynced and dropped fro
 posix_fadvise(DONTNEED) per file (only ours: drop_caches would also empty the cache of whoever else works on this
 machine); fincore confirms what stayed resident. Loads land in zeroed tensors (torch.load: its own new ones) and
 are checked equal to what was saved. A round saves with every system, then loads with every system, so no load
-starts right behind its own system's save; the systems go in rotating order, a different one first in each
-round; the ratios are medians over rounds of each round's ratio, so drift on this shared machine cancels within
-a round. An untimed round of every system on the full state comes first.
-Targets: HDF5/DCP >= 1.0 on save and on load, HDF5 save / dd >= 0.7, at every world size. One round takes
-~10-25 s here (the disk is shared), all three world sizes ~3 minutes. Writes
+starts right behind its own system's save; hdf5 and dcp run back to back, taking turns to go first, and every
+system takes every position equally often (`round_order`); the ratios are medians over rounds of each round's
+ratio, so drift on this shared machine cancels within a round. An untimed round of every system on the full
+state comes first. Targets: HDF5/DCP >= 1.0 on save and on load, HDF5 save / dd >= 0.7, at every world size.
+One round takes ~15-30 s here (the disk is shared), all three world sizes at 12 rounds ~15 minutes. Writes
 benchmarks/results/checkpoint_io-<n>ranks.json; the driver also benchmarks/results/checkpoint_io.json.
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def worker(args) -> None:
             one_round(systems, state, dest, root / "warm", rank, timed, dist, check=False)
             rounds = []
             for r in range(args.rounds):
-                order = systems[r % len(systems):] + systems[:r % len(systems)]
+                order = round_order(systems, r)
                 row = {"order": order, **one_round(order, state, dest, root / f"round-{r}", rank, timed, dist,
                                                    check=True)}
                 rounds.append(row)
@@ -245,6 +245,16 @@ def worker(args) -> None:
 def log0(rank: int, msg: str) -> None:
     if rank == 0:
         print(msg, flush=True)
+
+
+def round_order(systems: list[str], r: int) -> list[str]:
+    """Systems in pairs as listed (hdf5 next to dcp), so the two compared run back to back; the pairs rotate
+    every other round and each pair swaps every round. With 4 systems, every system takes every position once
+    in 4 rounds: hdf5 dcp torch dd / dcp hdf5 dd torch / torch dd hdf5 dcp / dd torch dcp hdf5."""
+    pairs = [systems[i:i + 2] for i in range(0, len(systems), 2)]
+    k = (r // 2) % len(pairs)
+    pairs = pairs[k:] + pairs[:k]
+    return [name for pair in pairs for name in (reversed(pair) if r % 2 else pair)]
 
 
 def one_round(order: list[str], state: dict, dest: dict, root: Path, rank: int, timed, dist, check: bool) -> dict:
@@ -355,7 +365,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="1,2,4", help="driver: world sizes to launch")
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=12, help="a multiple of 4 puts every system in every position "
+                                                           "equally often")
     ap.add_argument("--tmp", default="/tmp", help="where the checkpoints go (a directory made and removed here)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
     args = ap.parse_args()
