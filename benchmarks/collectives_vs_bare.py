@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from dataclasses import replace
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from _launch import geometric_ci
 from hpctrain import session
 from hpctrain.bench import colls, harness, sweep
 from hpctrain.config import load_config
@@ -111,14 +111,6 @@ def main() -> None:
                              "paired_ratios": paired, "bare_times_s": bare, "ours_times_s": ours})
         if rank == 0:
             report(rows, n)
-
-
-def geometric_ci(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of ratios and its 95% confidence interval (normal approximation on the logs)."""
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("inf")
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def _max(x: float) -> float:

@@ -120,6 +120,25 @@ def test_round_trip_every_training_dtype(saved: Path) -> None:
         assert f["optim.step/scalar"][()] == 1234 and f["train_state.step/bytes"].dtype == np.uint8
 
 
+def test_index_records_where_contiguous_data_starts(saved: Path, tmp_path: Path) -> None:
+    """index.json's file_offset (the read-ahead hint) is where HDF5 put each contiguous dataset's bytes; chunked
+    datasets record none."""
+    def offsets(path: Path) -> list[tuple[int | None, int | None]]:  # (recorded, where HDF5 has it or None)
+        md = HDF5Reader(path).read_metadata()
+        with h5py.File(path / "shard-0.h5", "r") as f:
+            return [(s.file_offset, None if f[s.dataset].chunks else f[s.dataset].id.get_offset())
+                    for s in md.storage_data.values()]
+
+    contiguous = offsets(saved)
+    assert all(got == want for got, want in contiguous) and sum(x is not None for x, _ in contiguous) >= 10
+    dcp.save(training_state(), storage_writer=HDF5Writer(tmp_path, chunk_bytes=1 << 20))
+    mixed = offsets(tmp_path)  # scalars and small tensors stay contiguous
+    assert all(got == want for got, want in mixed) and sum(x is None for x, _ in mixed) >= 3
+    got = zeros_like(training_state())
+    dcp.load(got, storage_reader=HDF5Reader(tmp_path))  # located through HDF5 instead
+    assert_same_state(got, training_state())
+
+
 def test_float8_round_trip(tmp_path: Path) -> None:
     bits = torch.arange(256, dtype=torch.uint8)  # every bit pattern, NaNs included
     state = {"e4m3": bits.view(torch.float8_e4m3fn), "e5m2": bits.view(torch.float8_e5m2)}

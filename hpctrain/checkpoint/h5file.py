@@ -129,6 +129,11 @@ def byte_ranges(datasets: list[h5py.h5d.DatasetID]) -> list[tuple[int, int]]:
                     ranges.append((info.byte_offset, info.size))
         except (OSError, RuntimeError):
             continue
+    return merge_ranges(ranges)
+
+
+def merge_ranges(ranges) -> list[tuple[int, int]]:
+    """(offset, length) pairs sorted, with overlapping ones and those less than 1 MiB apart merged."""
     merged: list[list[int]] = []
     for offset, length in sorted(ranges):
         if merged and offset <= merged[-1][0] + merged[-1][1] + (1 << 20):  # gaps under 1 MiB: read through

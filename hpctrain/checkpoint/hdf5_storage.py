@@ -64,6 +64,7 @@ from hpctrain.checkpoint.h5file import (
     crc32,
     from_numpy,
     fsync,
+    merge_ranges,
     numpy_view,
     prefetch,
 )
@@ -153,7 +154,8 @@ class HDF5Writer(StorageWriter):
                 if self.checksum:
                     crc = crc32(arr)
                     make.uint32_attr(dsid, "crc32", crc)
-                stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc)))
+                offset = dsid.get_offset() if chunks is None else None  # None too when nothing was stored
+                stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc, file_offset=offset)))
         fsync(path)
         size = path.stat().st_size
         return [WriteResult(index=index, size_in_bytes=s.nbytes, storage_data=dataclasses.replace(s, file_bytes=size))
@@ -191,11 +193,12 @@ class HDF5Reader(StorageReader):
         self.storage_data: dict[MetadataIndex, Stored] = {}
         self.save_id = ""
         self.load_id = uuid.uuid4().hex
+        self._prefetch_started: set[str] = set()  # file + dataset names prepare_local_plan already read ahead
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = Path(checkpoint_id)
-        self.storage_data, self.load_id = {}, uuid.uuid4().hex
+        self.storage_data, self.load_id, self._prefetch_started = {}, uuid.uuid4().hex, set()
 
     # No **kwargs: DCP would then fall back to per-rank metadata files, which this format never writes.
     def read_metadata(self) -> Metadata:
@@ -219,10 +222,29 @@ class HDF5Reader(StorageReader):
         self.save_id = metadata.storage_meta.save_id or ""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """This rank's reads are known here, before the planners' collective: the disk starts on them now."""
+        self._prefetch_started = self._start_prefetch(plan)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
+
+    def _start_prefetch(self, plan: LoadPlan) -> set[str]:
+        """Asks the kernel, from a thread, to read ahead the byte ranges index.json records for this plan's
+        datasets; returns the datasets covered. Chunked datasets have no recorded range: read_data locates them."""
+        ranges: dict[str, set[tuple[int, int]]] = defaultdict(set)
+        covered = set()
+        for req in plan.items:
+            s = self.storage_data.get(req.storage_index)
+            if s is not None and s.file_offset is not None:
+                ranges[s.file].add((s.file_offset, s.nbytes))
+                covered.add(s.file + s.dataset)
+        if ranges:
+            prefetcher = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-prefetch")
+            for name, rs in ranges.items():
+                prefetcher.submit(prefetch, self.path / name, merge_ranges(rs))
+            prefetcher.shutdown(wait=False)  # its work is queued; nothing waits for a hint
+        return covered
 
     def verifies(self, file: str, dataset: str) -> bool:
         """Whether read_data checks this dataset's crc32. "sampled" hashes the names with the save id: the same
@@ -239,11 +261,14 @@ class HDF5Reader(StorageReader):
         for req in plan.items:
             stored = self.storage_data[req.storage_index]
             by_file[stored.file][stored.dataset].append((req, stored))
+        started = self._prefetch_started
         with ThreadPoolExecutor(1) as prefetcher:
             for name, by_dataset in by_file.items():
                 with self._open(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
                     opened = [(self._dataset(f, items[0][1]), items) for items in by_dataset.values()]
-                    prefetcher.submit(prefetch, self.path / name, byte_ranges([dsid for dsid, _ in opened]))
+                    rest = [dsid for dsid, items in opened if name + items[0][1].dataset not in started]
+                    if rest:  # chunked datasets, or checkpoints whose index.json records no offsets
+                        prefetcher.submit(prefetch, self.path / name, byte_ranges(rest))
                     for dsid, items in opened:
                         self._read_dataset(dsid, items[0][1], [req for req, _ in items], planner)
         future: Future[None] = Future()

@@ -32,6 +32,7 @@ class Stored:
     nbytes: int
     crc32: int | None  # None when saved with checksum=False
     file_bytes: int = 0  # size of the whole file once closed: a shorter file was truncated
+    file_offset: int | None = None  # where a contiguous dataset's bytes start in the file: a read-ahead hint only
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -51,7 +52,7 @@ def index_to_json(metadata: Metadata, checksum: bool) -> dict[str, Any]:
     """{"format", "format_version", "dcp_version", "checksum": "crc32"|null, "storage_meta": {...},
     "files": {name: bytes}, "state_dict_metadata": {fqn: {"type": "tensor", "dtype", "requires_grad", "size",
     "chunks": [{"offsets", "sizes"}]} | {"type": "bytes"}}, "storage_data": [{"fqn", "offset", "index", "file",
-    "dataset", "dtype", "nbytes", "crc32"}], "planner_data": tagged JSON (see _encode)}"""
+    "dataset", "dtype", "nbytes", "crc32", "file_offset"}], "planner_data": tagged JSON (see _encode)}"""
     def entry(fqn: str, md: TensorStorageMetadata | BytesStorageMetadata) -> dict[str, Any]:
         if isinstance(md, BytesStorageMetadata):
             return {"type": "bytes"}
@@ -69,7 +70,7 @@ def index_to_json(metadata: Metadata, checksum: bool) -> dict[str, Any]:
         "state_dict_metadata": {fqn: entry(fqn, md) for fqn, md in metadata.state_dict_metadata.items()},
         "storage_data": [{"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset), "index": i.index,
                           "file": s.file, "dataset": s.dataset, "dtype": s.dtype, "nbytes": s.nbytes,
-                          "crc32": s.crc32} for i, s in storage],
+                          "crc32": s.crc32, "file_offset": s.file_offset} for i, s in storage],
         "planner_data": _encode(metadata.planner_data),
     }
 
@@ -84,7 +85,8 @@ def index_from_json(doc: dict[str, Any]) -> Metadata:
 
     files = doc["files"]
     storage = {MetadataIndex(e["fqn"], e["offset"], e["index"]):
-               Stored(e["file"], e["dataset"], e["dtype"], e["nbytes"], e["crc32"], files[e["file"]])
+               Stored(e["file"], e["dataset"], e["dtype"], e["nbytes"], e["crc32"], files[e["file"]],
+                      e.get("file_offset"))
                for e in doc["storage_data"]}
     meta = doc["storage_meta"]
     return Metadata(state_dict_metadata={fqn: entry(d) for fqn, d in doc["state_dict_metadata"].items()},
