@@ -1,7 +1,7 @@
 """Checkpoint save and load throughput: hpctrain's HDF5 storage vs DCP's FileSystemWriter/Reader vs torch.save/load
 on the same ~1 GB fp32 state, with `dd conv=fsync` timed in the same run as the disk's reference.
 
-    python benchmarks/checkpoint_io.py [--ranks 1,2,4] [--rounds 12] [--systems hdf5,dcp,torch,dd]
+    python benchmarks/checkpoint_io.py [--ranks 1,2,4] [--rounds 24] [--systems hdf5,dcp,torch,dd]
                                                     # driver: launches itself under mpiexec -n 1, 2, 4
     mpiexec -n 2 python benchmarks/checkpoint_io.py     # one world size
 
@@ -26,7 +26,7 @@ round's ratio (with its 95% interval; the median is printed beside it), so drift
 within a round, and so does the order: here the second of two 1 GB saves in a row often ran at a third of the
 first one's speed (this VM's disk takes ~1 GB at ~1.7 GB/s, then ~0.35 GB/s). An untimed round of every system
 on the full state comes first. Targets: HDF5/DCP >= 1.0 on save and on load, HDF5 save / dd >= 0.7, at every
-world size. One round takes ~15-30 s here (the disk is shared), all three world sizes at 12 rounds ~15 minutes.
+world size. One round takes ~10-20 s here (the disk is shared), all three world sizes at 24 rounds ~17 minutes.
 Writes
 benchmarks/results/checkpoint_io-<n>ranks.json; the driver also benchmarks/results/checkpoint_io.json.
 """
@@ -379,7 +379,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="1,2,4", help="driver: world sizes to launch")
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
-    ap.add_argument("--rounds", type=int, default=12, help="a multiple of 4 puts every system in every position "
+    ap.add_argument("--rounds", type=int, default=24, help="a multiple of 4 puts every system in every position "
                                                            "equally often")
     ap.add_argument("--tmp", default="/tmp", help="where the checkpoints go (a directory made and removed here)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
