@@ -235,8 +235,8 @@ class HDF5Reader(StorageReader):
         ranges: dict[str, set[tuple[int, int]]] = defaultdict(set)
         covered = set()
         for req in plan.items:
-            s = self.storage_data.get(req.storage_index)
-            if s is not None and s.file_offset is not None:
+            s = self.storage_data[req.storage_index]
+            if s.file_offset is not None:
                 ranges[s.file].add((s.file_offset, s.nbytes))
                 covered.add(s.file + s.dataset)
         if ranges:
@@ -265,7 +265,7 @@ class HDF5Reader(StorageReader):
         with ThreadPoolExecutor(1) as prefetcher:
             for name, by_dataset in by_file.items():
                 with self._open(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
-                    opened = [(self._dataset(f, items[0][1]), items) for items in by_dataset.values()]
+                    opened = [(open_stored(f, self.path, items[0][1]), items) for items in by_dataset.values()]
                     rest = [dsid for dsid, items in opened if name + items[0][1].dataset not in started]
                     if rest:  # chunked datasets, or checkpoints whose index.json records no offsets
                         prefetcher.submit(prefetch, self.path / name, byte_ranges(rest))
@@ -286,15 +286,6 @@ class HDF5Reader(StorageReader):
             return h5py.File(path, "r", locking=LOCKING)
         except OSError as e:
             raise CheckpointCorrupt(path, None, f"not a readable HDF5 file ({e})") from e
-
-    def _dataset(self, f: h5py.File, stored: Stored) -> h5py.h5d.DatasetID:
-        """The stored dataset, opened through the low-level API (a third of h5py's high-level lookup cost), with
-        the size index.json gives it."""
-        where = (self.path / stored.file, stored.dataset)
-        dsid = open_dataset(f, where)
-        if dataset_nbytes(dsid) != stored.nbytes:
-            raise CheckpointCorrupt(*where, f"{dataset_nbytes(dsid)} bytes, index.json says {stored.nbytes}")
-        return dsid
 
     def _read_dataset(self, dsid: h5py.h5d.DatasetID, stored: Stored, reqs: list, planner: LoadPlanner) -> None:
         where = (self.path / stored.file, stored.dataset)
@@ -341,17 +332,20 @@ def _fits(target: torch.Tensor, shape: tuple[int, ...], dtype: str) -> bool:
             and tuple(target.shape) == tuple(shape) and target.numel() > 0)
 
 
-def open_dataset(f: h5py.File, where: tuple[Path, str]) -> h5py.h5d.DatasetID:
+def open_stored(f: h5py.File, ckpt: Path, stored: Stored) -> h5py.h5d.DatasetID:
+    """The stored dataset, opened through h5py's low-level API (a third of the high-level lookup's cost), checked
+    to hold the bytes index.json says it does."""
+    where = (ckpt / stored.file, stored.dataset)
     try:
-        return h5py.h5d.open(f.id, where[1].encode())
+        dsid = h5py.h5d.open(f.id, stored.dataset.encode())
     except KeyError:
         raise CheckpointCorrupt(*where, "missing from the file") from None
     except (OSError, RuntimeError, ValueError) as e:  # a damaged object header, or a group where a dataset was
         raise CheckpointCorrupt(*where, f"not a readable dataset ({e})") from e
-
-
-def dataset_nbytes(dsid: h5py.h5d.DatasetID) -> int:
-    return math.prod(dsid.shape) * dsid.dtype.itemsize
+    nbytes = math.prod(dsid.shape) * dsid.dtype.itemsize
+    if nbytes != stored.nbytes:
+        raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {stored.nbytes}")
+    return dsid
 
 
 def _read(dsid: h5py.h5d.DatasetID, where: tuple[Path, str], select: tuple = (),

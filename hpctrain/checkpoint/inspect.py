@@ -33,8 +33,7 @@ from hpctrain.checkpoint.hdf5_storage import (
     Stored,
     _check,
     _read,
-    dataset_nbytes,
-    open_dataset,
+    open_stored,
 )
 from hpctrain.checkpoint.manager import EXTRA, MARKER, committed
 
@@ -256,16 +255,13 @@ def format_verdict(ckpt: Path, v: Verdict) -> str:
 
 def _verify_dataset(f: h5py.File, ckpt: Path, s: Stored, hash_it: bool, v: Verdict) -> None:
     where = (ckpt / s.file, s.dataset)
-    dsid = open_dataset(f, where)
-    nbytes = dataset_nbytes(dsid)
-    if nbytes != s.nbytes:
-        raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {s.nbytes}")
+    dsid = open_stored(f, ckpt, s)
     if s.crc32 is None:
         v.unchecksummed += 1
     elif hash_it:
         _check(crc32(_read(dsid, where)), s, where)
         v.num_hashed += 1
-        v.bytes_hashed += nbytes
+        v.bytes_hashed += s.nbytes
 
 
 # -- export -----------------------------------------------------------------------------------------------------
@@ -340,7 +336,7 @@ def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_fi
     covered = 0
     for offsets, s in pieces:
         where = (ckpt / s.file, s.dataset)
-        arr = _read(open_dataset(open_file(s), where), where)  # raw bits for bfloat16 and float8 (uint16/uint8)
+        arr = _read(open_stored(open_file(s), ckpt, s), where)  # raw bits for bfloat16 and float8 (uint16/uint8)
         if s.crc32 is not None:
             _check(crc32(arr), s, where)
         if full is None:
