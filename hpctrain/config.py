@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -28,11 +29,36 @@ def _one_of(section: str, key: str, value: str, allowed: tuple[str, ...]) -> Non
     _check(value in allowed, f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
 
 
+def _check_fields(section: str, obj: object, one_line: bool = False) -> None:
+    """Checks every str and float of a section, list entries too, whatever the key: strings must encode as UTF-8
+    (config.toml is written in it and every rank reads it back), floats must be finite, and with one_line strings
+    hold no CR, LF or NUL ([job] strings become #SBATCH lines and shell lines of the job script, one line each)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        for i, v in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            where = f"{section}.{f.name}" + ("" if i is None else f"[{i}]")
+            if isinstance(v, float):
+                _check(math.isfinite(v), f"{where} = {v!r} must be a finite number")
+            elif isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate: argv bytes that were not UTF-8
+                    raise ValueError(f"{where} = {v!r} is not UTF-8 text: {e.reason} at character {e.start}") from None
+                _check(not (one_line and re.search(r"[\r\n\0]", v)),
+                       f"{where} = {v!r} holds a line break or NUL: each [job] value must stay on one line of the "
+                       f"job script")
+
+
 def _positive(section: str, obj: object, *keys: str, allow_zero: bool = False) -> None:
     for key in keys:
         value = getattr(obj, key)
         low = 0 if allow_zero else 1
         _check(value >= low, f"{section}.{key} = {value!r} must be >= {low}")
+
+
+# Far past any machine, yet small enough that the per-rank tables of a dry run (node of each rank, rank map)
+# fit in memory: 10^10 ranks made `submit --dry-run` allocate until killed.
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass
@@ -59,11 +85,15 @@ class JobConfig:
     wait_timeout_s: int = 120  # how long --wait waits for results after the job left the queue
 
     def __post_init__(self) -> None:
+        _check_fields("job", self, one_line=True)
         _check(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name) is not None,
                f"job.name = {self.name!r} may only hold letters, digits, '_', '.', '-'")
         _one_of("job", "executor", self.executor, ("auto", "slurm", "local"))
         _positive("job", self, "nodes", "tasks_per_node", "cpus_per_task", "time_min")
         _positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", allow_zero=True)
+        ranks = self.nodes * self.tasks_per_node
+        _check(ranks <= MAX_WORLD_SIZE, f"job.nodes = {self.nodes} x job.tasks_per_node = {self.tasks_per_node} = "
+               f"{ranks} ranks, more than the {MAX_WORLD_SIZE} hpctrain plans for")
         _check(self.gpus_per_node in (0, self.tasks_per_node),
                f"job.gpus_per_node = {self.gpus_per_node} must be 0 (CPU) or equal job.tasks_per_node = "
                f"{self.tasks_per_node}: hpctrain runs one rank per GPU")
@@ -104,6 +134,7 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)  # blocks per stage (pp * virtual entries); [] balanced
 
     def __post_init__(self) -> None:
+        _check_fields("parallel", self)
         _positive("parallel", self, "pp", "tp", "timeout_s", "pp_virtual_stages")
         _one_of("parallel", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         multi = self.pp_schedule not in ("gpipe", "1f1b")
@@ -141,6 +172,7 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        _check_fields("model", self)
         _positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "max_seq_len")
         _positive("model", self, "n_kv_heads", "ffn_dim", allow_zero=True)
         _check(self.dim % self.n_heads == 0,
@@ -177,6 +209,7 @@ class TrainConfig:
     resume: str = "auto"  # auto: newest committed checkpoint of the run, if any | none | a checkpoint directory
 
     def __post_init__(self) -> None:
+        _check_fields("train", self)
         _positive("train", self, "micro_batch_size", "grad_accum", "log_every", "ac_every")
         _positive("train", self, "steps", "global_batch_size", "warmup_steps", "scale_lr_with_batch",
                   "weight_decay", "grad_clip", "peak_tflops", allow_zero=True)
@@ -201,6 +234,7 @@ class DataConfig:
     seq_len: int = 128
 
     def __post_init__(self) -> None:
+        _check_fields("data", self)
         _one_of("data", "source", self.source, ("synthetic", "bin", "hdf5"))
         _positive("data", self, "seq_len")
         _check(self.source == "synthetic" or self.path != "",
@@ -221,6 +255,7 @@ class CheckpointConfig:
     chunk_mb: float = 0.0  # 0: contiguous HDF5 datasets (fastest measured); > 0: chunked, chunks up to this size
 
     def __post_init__(self) -> None:
+        _check_fields("checkpoint", self)
         _positive("checkpoint", self, "every_steps", allow_zero=True)
         _positive("checkpoint", self, "stripe_size_mb")
         _check(self.chunk_mb >= 0, f"checkpoint.chunk_mb = {self.chunk_mb} must be >= 0 (0: contiguous datasets)")
@@ -263,7 +298,10 @@ def _suggest(word: str, valid: typing.Iterable[str]) -> str:
 def _coerce(where: str, value: object, kind: object) -> object:
     """Checks one TOML value against a field type; ints are accepted for float fields."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"{where} = {value} must be a finite number") from None
     if kind in (int, float, str, bool):
         if type(value) is not kind:
             raise ValueError(f"{where} = {value!r} must be {kind.__name__}, not {type(value).__name__}")
@@ -284,7 +322,7 @@ def _parse_override(text: str) -> tuple[str, str, object]:
         raise ValueError(f"--set {text!r} must look like section.key=value")
     try:
         value = tomllib.loads(f"v = {rhs.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except ValueError:  # TOMLDecodeError, or an integer past Python's 4300-digit limit
         value = rhs.strip()
     return section, key.strip(), value
 
@@ -314,12 +352,18 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
     if path is not None:
         path = Path(path)
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except OSError as e:
-            raise ValueError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
+            raise ValueError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")  # TOML is UTF-8 whatever the locale says
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"config file {str(path)!r} is not UTF-8 text: byte {data[e.start]:#04x} at line "
+                             f"{line}") from None
         try:
             raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
+        except ValueError as e:  # TOMLDecodeError (its message gives line and column), or a 4300-digit integer
             raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     for text in overrides:
         section, key, value = _parse_override(text)

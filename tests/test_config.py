@@ -212,8 +212,9 @@ def test_round_trip_with_quotes_backslashes_and_lists(tmp_path):
 
 
 def test_round_trip_with_newline_in_a_string(tmp_path):
-    cfg = load_config(None, [r'job.setup=["set -e\nmodule load cuda"]'])
-    assert cfg.job.setup == ["set -e\nmodule load cuda"]
+    # outside [job] (whose strings must stay on one line of the job script) a newline is kept and escaped
+    cfg = load_config(None, [r'data.path="/data/a\nb.h5"', "data.source=hdf5"])
+    assert cfg.data.path == "/data/a\nb.h5"
     assert reload(cfg, tmp_path) == cfg
 
 
