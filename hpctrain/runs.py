@@ -21,11 +21,27 @@ from typing import Any
 
 
 def new_run_dir(run_root: str | Path, name: str) -> Path:
-    """A fresh directory; mkdir without exist_ok, so two runs can never share one."""
+    """A fresh directory; mkdir without exist_ok, so two runs can never share one.
+
+    A run_root that cannot hold it (a file, under a file, not writable) is a ValueError naming run_root."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(run_root).absolute() / f"{name}-{stamp}-{secrets.token_hex(3)}"
-    path.mkdir(parents=True, exist_ok=False)
+    root = Path(run_root).absolute()
+    path = root / f"{name}-{stamp}-{secrets.token_hex(3)}"
+    try:
+        path.mkdir(parents=True, exist_ok=False)
+    except OSError as e:
+        why = _why_not(root, e)
+        raise ValueError(f"job.run_root = {str(run_root)!r} cannot hold run directories: {why}") from None
     return path
+
+
+def _why_not(root: Path, error: OSError) -> str:
+    """The reason mkdir failed, in the user's terms: errno alone says 'Not a directory' without naming the file."""
+    existing = next((p for p in (root, *root.parents) if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        where = "it" if existing == root else f"{str(existing)!r} above it"
+        return f"{where} is " + ("a file, not a directory" if existing.exists() else "a dangling symbolic link")
+    return f"{error.strerror or error} ({str(error.filename or root)!r})"
 
 
 def write_json(path: Path, obj: Any) -> None:
