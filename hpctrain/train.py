@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from hpctrain import data, metrics, optim, parallelize, pipeline, preempt, session
 from hpctrain.checkpoint import state as ckpt_state
-from hpctrain.checkpoint.manager import MARKER, CheckpointManager, committed
+from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
 from hpctrain.config import Config, load_config, to_dict
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,15 @@ class Trainer:
         taken (e.g. after a crash, in a new job)."""
         r = self.cfg.train.resume
         if r == "none":
+            if committed(mgr.root):  # a fresh start here would overwrite and prune them: never silently
+                raise ValueError(f"train.resume = 'none' but {mgr.root} holds committed checkpoints (steps "
+                                 f"{', '.join(str(s) for s, _ in committed(mgr.root))}); resume from them "
+                                 f"(train.resume = 'auto'), or give the fresh run another checkpoint.dir")
             return None
-        make = lambda extra: self._state(saved_world=extra["world_size"])  # noqa: E731
+
+        def make(extra: dict) -> dict:  # checked before anything is loaded: a bad train state is a corrupt one
+            ckpt_state.check_train_state(extra, self._extra())
+            return self._state(saved_world=extra["world_size"])
         source = mgr
         if r != "auto" and (Path(r) / MARKER).is_file():
             extra, state = mgr.load(Path(r), make)
@@ -167,7 +174,7 @@ class Trainer:
                 if not committed(root):
                     raise ValueError(f"train.resume = {r!r}: no committed checkpoint there")
                 source = CheckpointManager(dataclasses.replace(self.cfg.checkpoint, dir=str(root)),
-                                           self.s.run_dir, self.s.rank)
+                                           self.s.run_dir, self.s.rank, writer=False)
             found = source.load_latest(make)
             if found is None:
                 if r != "auto":
@@ -185,20 +192,29 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         t = self.cfg.train
-        rank0 = self.s.rank == 0
-        mlog = metrics.MetricsLog(self.s.run_dir, rank0, t.steps)
-        world = dist.get_world_size()
+        mlog = metrics.MetricsLog(self.s.run_dir, self.s.rank == 0, t.steps)
         peak = t.peak_tflops or metrics.measured_peak_tflops(self.device, parallelize.DTYPES[t.precision])
         mgr = CheckpointManager(self.cfg.checkpoint, self.s.run_dir, self.s.rank)
+        try:
+            return self._fit(mgr, mlog, peak)
+        finally:
+            mgr.close()
+
+    def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog, peak: float) -> dict[str, Any]:
+        t = self.cfg.train
+        rank0 = self.s.rank == 0
+        world = dist.get_world_size()
+        # installed at process start (session), so a signal during start-up or the resume is not lost
+        flag = getattr(self.s, "preempt", None) or preempt.PreemptionFlag()
         resumed = self.resume(mgr)
-        flag = preempt.PreemptionFlag()
         profiler = self._profiler()
         last: dict[str, Any] = {}
         losses = []
-        preempted = False
         tick, tokens_at_tick = time.time(), self.tokens_seen
         every = self.cfg.checkpoint.every_steps
-        while self.step < t.steps:
+        # a signal during start-up or the resume: stop before training; what was resumed is already on disk
+        preempted = flag.poll(self.device)[0]
+        while self.step < t.steps and not preempted:
             row = self.train_step()
             losses.append(row["loss"])
             if self.pipe is not None and len(losses) == 1:
@@ -214,7 +230,10 @@ class Trainer:
                 preempted = True
                 break
             if (every and self.step % every == 0 and self.step < t.steps) or save_now:
-                self.save(mgr, asynchronous=self.cfg.checkpoint.async_save)
+                try:
+                    self.save(mgr, asynchronous=self.cfg.checkpoint.async_save)
+                except NoSpace as e:  # a periodic save may wait for space; the final and preemption ones may not
+                    log.warning("periodic checkpoint skipped: %s", e)
             if self.step % t.log_every == 0 or self.step in (1, t.steps):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

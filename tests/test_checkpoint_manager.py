@@ -14,6 +14,7 @@ from train_worker import TINY
 
 from hpctrain import session
 from hpctrain.checkpoint import manager as mgr_mod
+from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt
 from hpctrain.checkpoint.manager import CheckpointManager, committed
 from hpctrain.config import load_config
 from hpctrain.train import Trainer
@@ -75,6 +76,6 @@ def test_uncommitted_directory_is_not_loadable(tmp_path) -> None:
     shutil.copytree(ck, copy)
     (copy / "COMMITTED").unlink()
     assert [s for s, _ in committed(tmp_path / "ck")] == [1]
-    m = CheckpointManager(load_config(None, SMALL).checkpoint, tmp_path, 0)
-    with pytest.raises(ValueError, match="is not a committed checkpoint"):
+    m = CheckpointManager(load_config(None, SMALL).checkpoint, tmp_path, 0, writer=False)
+    with pytest.raises(CheckpointCorrupt, match="not a committed checkpoint"):
         m.load(copy, lambda extra: {})

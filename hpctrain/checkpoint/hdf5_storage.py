@@ -14,8 +14,10 @@ saved under one layout loads into another. This module only stores and fetches t
                            name: the checkpoint exists only once it does.
 
 bfloat16 and float8 have no numpy type: their raw bit patterns are stored as uint16/uint8 and the `dtype` attribute
-names the torch type. The shard files open with plain h5py. Non-tensor values reach a storage layer as bytes that
-DCP's planner made with torch.save; they are stored as uint8 and handed back untouched.
+names the torch type. The shard files open with plain h5py. Non-tensor values (optimizer hyperparameters) are JSON
+text: DCP's save planner pickles them in memory, the writer reads that pickle of its own process back with the
+weights-only unpickler and stores JSON (uint8, dtype "json"); the reader parses the JSON and hands the planner
+a fresh torch.save of the parsed value. A pickle in a file is refused, never loaded.
 
     dcp.save(state_dict, storage_writer=HDF5Writer(step_dir))
     dcp.load(state_dict, storage_reader=HDF5Reader(step_dir, verify="sampled"))
@@ -28,6 +30,7 @@ import io
 import json
 import math
 import os
+import pickle
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -69,12 +72,15 @@ from hpctrain.checkpoint.h5file import (
     prefetch,
 )
 from hpctrain.checkpoint.index import (
+    BYTES_DTYPES,
     FORMAT,
     FORMAT_VERSION,
     INDEX,
     Stored,
+    _decode,
     _dtype,
     _dtype_name,
+    _encode,
     index_from_json,
     index_to_json,
 )
@@ -140,8 +146,8 @@ class HDF5Writer(StorageWriter):
             for item in plan.items:
                 data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
                 fqn = item.index.fqn
-                if item.type == WriteItemType.BYTE_IO:
-                    arr, dtype, leaf = np.frombuffer(data.getvalue(), dtype=np.uint8), "bytes", "bytes"
+                if item.type == WriteItemType.BYTE_IO:  # stored as JSON: a checkpoint holds no pickle
+                    arr, dtype, leaf = np.frombuffer(to_json(fqn, data), dtype=np.uint8), "json", "bytes"
                 else:
                     t = data.detach().to("cpu").contiguous()
                     arr, dtype = numpy_view(t), _dtype_name(t.dtype)
@@ -155,7 +161,8 @@ class HDF5Writer(StorageWriter):
                     crc = crc32(arr)
                     make.uint32_attr(dsid, "crc32", crc)
                 offset = dsid.get_offset() if chunks is None else None  # None too when nothing was stored
-                stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc, file_offset=offset)))
+                stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc, file_offset=offset,
+                                                  shape=tuple(arr.shape))))
         fsync(path)
         size = path.stat().st_size
         return [WriteResult(index=index, size_in_bytes=s.nbytes, storage_data=dataclasses.replace(s, file_bytes=size))
@@ -207,12 +214,17 @@ class HDF5Reader(StorageReader):
             doc = json.loads(index.read_text(encoding="ascii"))
         except FileNotFoundError:
             raise CheckpointCorrupt(index, None, "missing: the save never finished") from None
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise CheckpointCorrupt(index, None, f"not ASCII JSON ({e})") from e
-        if (doc.get("format"), doc.get("format_version")) != (FORMAT, FORMAT_VERSION):
-            raise CheckpointCorrupt(index, None, f"format {doc.get('format')!r} version {doc.get('format_version')}"
-                                                 f", this reader reads {FORMAT!r} version {FORMAT_VERSION}")
-        metadata = index_from_json(doc)
+        except OSError as e:
+            raise CheckpointCorrupt(index, None, f"unreadable ({e})") from e
+        if not isinstance(doc, dict) or (doc.get("format"), doc.get("format_version")) != (FORMAT, FORMAT_VERSION):
+            got = (doc.get("format"), doc.get("format_version")) if isinstance(doc, dict) else type(doc).__name__
+            raise CheckpointCorrupt(index, None, f"format {got}, this reader reads {FORMAT!r} version {FORMAT_VERSION}")
+        try:
+            metadata = index_from_json(doc)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            raise CheckpointCorrupt(index, None, f"malformed: {e}") from None
         metadata.storage_meta.load_id = self.load_id
         self.save_id = metadata.storage_meta.save_id or ""
         return metadata
@@ -304,8 +316,8 @@ class HDF5Reader(StorageReader):
             if unchecked:  # before use: the planner unpickles bytes items; tensors are committed below
                 _check(crc32(whole), stored, where)
                 unchecked = False
-            if target is None:
-                planner.load_bytes(req, io.BytesIO(whole.tobytes()))
+            if target is None:  # a JSON value, parsed here; the planner gets it as the torch.save bytes it expects
+                planner.load_bytes(req, from_json(whole.tobytes(), where))
                 continue
             if not filled:
                 select = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
@@ -345,7 +357,39 @@ def open_stored(f: h5py.File, ckpt: Path, stored: Stored) -> h5py.h5d.DatasetID:
     nbytes = math.prod(dsid.shape) * dsid.dtype.itemsize
     if nbytes != stored.nbytes:
         raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {stored.nbytes}")
+    if stored.shape is not None and tuple(dsid.shape) != tuple(stored.shape):
+        raise CheckpointCorrupt(*where, f"shape {list(dsid.shape)}, index.json says {list(stored.shape)}")
+    want = np.dtype(np.uint8) if stored.dtype in BYTES_DTYPES else numpy_view(torch.empty(0, dtype=_dtype(
+        stored.dtype))).dtype
+    if dsid.dtype != want:
+        raise CheckpointCorrupt(*where, f"stored as {dsid.dtype}, index.json's {stored.dtype} needs {want}")
+    if stored.dtype == "bytes":
+        raise CheckpointCorrupt(*where, "a pickled value (hpctrain <= 0.3 or crafted): never unpickled; only JSON "
+                                        "values load")
     return dsid
+
+
+def to_json(fqn: str, data: io.BytesIO) -> bytes:
+    """A non-tensor value as JSON. DCP's save planner hands it over as torch.save bytes made in this process from
+    the live state dict; they are read back with the weights-only unpickler (plain values only) and re-encoded."""
+    try:
+        value = torch.load(io.BytesIO(data.getvalue()), weights_only=True)
+        return json.dumps(_encode(value), separators=(",", ":")).encode("utf-8")
+    except (TypeError, pickle.UnpicklingError) as e:
+        raise TypeError(f"{fqn}: a checkpoint holds tensors and JSON values only ({e})") from None
+
+
+def from_json(raw: bytes, where: tuple[Path, str]) -> io.BytesIO:
+    """A stored JSON value, as the torch.save bytes DCP's load planners read: made here from the parsed JSON
+    (plain values only), so nothing that came from the file is ever unpickled."""
+    try:
+        value = _decode(json.loads(raw.decode("utf-8")))
+    except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointCorrupt(*where, f"not a JSON value ({e}); refused unread") from None
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
 
 
 def _read(dsid: h5py.h5d.DatasetID, where: tuple[Path, str], select: tuple = (),

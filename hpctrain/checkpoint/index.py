@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any
 
 import torch
@@ -33,10 +35,11 @@ class Stored:
     crc32: int | None  # None when saved with checksum=False
     file_bytes: int = 0  # size of the whole file once closed: a shorter file was truncated
     file_offset: int | None = None  # where a contiguous dataset's bytes start in the file: a read-ahead hint only
+    shape: tuple[int, ...] | None = None  # the dataset's shape (the chunk's sizes; (nbytes,) for a JSON value)
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
     return dtype
@@ -75,23 +78,106 @@ def index_to_json(metadata: Metadata, checksum: bool) -> dict[str, Any]:
     }
 
 
-def index_from_json(doc: dict[str, Any]) -> Metadata:
-    def entry(d: dict[str, Any]) -> TensorStorageMetadata | BytesStorageMetadata:
-        if d["type"] == "bytes":
-            return BytesStorageMetadata()
-        return TensorStorageMetadata(
-            TensorProperties(dtype=_dtype(d["dtype"]), requires_grad=d["requires_grad"]), torch.Size(d["size"]),
-            [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in d["chunks"]])
+SHARD_NAME = re.compile(r"shard-(0|[1-9][0-9]{0,8})\.h5")  # what HDF5Writer names its files, nothing else
+BYTES_DTYPES = ("json", "bytes")  # "json": a JSON value; "bytes": a pickle from hpctrain <= 0.3, never loaded
+_MAX = 1 << 62  # any count or size in index.json above this is damage, not a checkpoint
 
-    files = doc["files"]
-    storage = {MetadataIndex(e["fqn"], e["offset"], e["index"]):
-               Stored(e["file"], e["dataset"], e["dtype"], e["nbytes"], e["crc32"], files[e["file"]],
-                      e.get("file_offset"))
-               for e in doc["storage_data"]}
-    meta = doc["storage_meta"]
-    return Metadata(state_dict_metadata={fqn: entry(d) for fqn, d in doc["state_dict_metadata"].items()},
-                    planner_data=_decode(doc["planner_data"]), storage_data=storage,
-                    storage_meta=StorageMeta(meta["checkpoint_id"], meta["save_id"], None, meta["modules"]),
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _int(x: Any, what: str, low: int = 0) -> int:
+    _need(type(x) is int and low <= x < _MAX, f"{what} = {x!r} is not an integer >= {low}")
+    return x
+
+
+def _ints(x: Any, what: str) -> list[int]:
+    _need(isinstance(x, list) and len(x) <= 64, f"{what} = {x!r} is not a list of integers")
+    return [_int(v, what) for v in x]
+
+
+def _entry_from_json(fqn: str, d: Any) -> TensorStorageMetadata | BytesStorageMetadata:
+    _need(isinstance(d, dict) and d.get("type") in ("tensor", "bytes"), f"state_dict_metadata[{fqn!r}] = {d!r}")
+    if d["type"] == "bytes":
+        return BytesStorageMetadata()
+    size = _ints(d.get("size"), f"{fqn}: size")
+    _need(isinstance(d.get("requires_grad"), bool), f"{fqn}: requires_grad = {d.get('requires_grad')!r}")
+    chunks = d.get("chunks")
+    _need(isinstance(chunks, list), f"{fqn}: chunks = {chunks!r}")
+    out = []
+    for c in chunks:
+        _need(isinstance(c, dict), f"{fqn}: chunk {c!r}")
+        offsets, sizes = _ints(c.get("offsets"), f"{fqn}: offsets"), _ints(c.get("sizes"), f"{fqn}: sizes")
+        _need(len(offsets) == len(sizes) == len(size) and all(o + n <= s for o, n, s in zip(offsets, sizes, size)),
+              f"{fqn}: chunk at {offsets} of {sizes} does not fit a tensor of size {size}")
+        out.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+    return TensorStorageMetadata(TensorProperties(dtype=_dtype(d.get("dtype")), requires_grad=d["requires_grad"]),
+                                 torch.Size(size), out)
+
+
+def index_from_json(doc: Any) -> Metadata:
+    """DCP's Metadata from an untrusted index.json: every field's type and range is checked, shard files must be
+    named as HDF5Writer names them (nothing outside the checkpoint directory), every item's size must follow from
+    its dtype and shape, and every chunk the metadata lists must have its stored dataset. ValueError otherwise."""
+    _need(isinstance(doc, dict), "index.json is not a JSON object")
+    files = doc.get("files")
+    _need(isinstance(files, dict), f"files = {files!r}")
+    for name, size in files.items():
+        _need(SHARD_NAME.fullmatch(name) is not None, f"shard file name {name!r} is not of the form shard-<rank>.h5")
+        _int(size, f"files[{name!r}]")
+    sdm = doc.get("state_dict_metadata")
+    _need(isinstance(sdm, dict), "state_dict_metadata is not an object")
+    entries = {fqn: _entry_from_json(fqn, d) for fqn, d in sdm.items()}
+    rows = doc.get("storage_data")
+    _need(isinstance(rows, list), "storage_data is not a list")
+    storage: dict[MetadataIndex, Stored] = {}
+    for e in rows:
+        _need(isinstance(e, dict), f"storage_data entry {e!r}")
+        fqn, file, dataset, dtype = e.get("fqn"), e.get("file"), e.get("dataset"), e.get("dtype")
+        _need(fqn in entries, f"storage_data names {fqn!r}, which state_dict_metadata lacks")
+        _need(file in files, f"{fqn}: file {file!r} is not among the index's files")
+        _need(isinstance(dataset, str) and dataset.startswith("/") and len(dataset) < 4096,
+              f"{fqn}: dataset {dataset!r}")
+        md = entries[fqn]
+        offset = None if e.get("offset") is None else _ints(e["offset"], f"{fqn}: offset")
+        index = e.get("index")
+        _need(index is None or type(index) is int, f"{fqn}: index {index!r}")
+        nbytes = _int(e.get("nbytes"), f"{fqn}: nbytes")
+        crc = e.get("crc32")
+        _need(crc is None or (type(crc) is int and 0 <= crc < 2**32), f"{fqn}: crc32 {crc!r}")
+        file_offset = e.get("file_offset")
+        _need(file_offset is None or _int(file_offset, f"{fqn}: file_offset") + nbytes <= files[file],
+              f"{fqn}: file_offset {file_offset!r} lies outside {file}")
+        if isinstance(md, BytesStorageMetadata):
+            _need(dtype in BYTES_DTYPES, f"{fqn}: dtype {dtype!r} of a non-tensor value")
+            shape: tuple[int, ...] = (nbytes,)
+        else:
+            _need(dtype == _dtype_name(md.properties.dtype), f"{fqn}: dtype {dtype!r}, metadata says "
+                                                              f"{_dtype_name(md.properties.dtype)}")
+            sizes = [c.sizes for c in md.chunks if list(c.offsets) == (offset or [])]
+            _need(len(sizes) == 1, f"{fqn}: stored chunk at {offset} is not one of the metadata's chunks")
+            shape = tuple(sizes[0])
+            _need(nbytes == math.prod(shape) * md.properties.dtype.itemsize,
+                  f"{fqn}: nbytes {nbytes} for a {dtype} chunk of shape {list(shape)}")
+        key = MetadataIndex(fqn, offset, index)
+        _need(key not in storage, f"{fqn}: chunk at {offset} stored twice")
+        storage[key] = Stored(file, dataset, dtype, nbytes, crc, files[file], file_offset, shape)
+    for fqn, md in entries.items():  # a chunk without its data would fail halfway through a load
+        have = {tuple(k.offset or ()) for k in storage if k.fqn == fqn}
+        want = {tuple(c.offsets) for c in md.chunks} if isinstance(md, TensorStorageMetadata) else {()}
+        _need(want <= have, f"{fqn}: {len(want - have)} chunk(s) without stored data")
+    meta = doc.get("storage_meta")
+    _need(isinstance(meta, dict) and all(isinstance(meta.get(k), str) for k in ("checkpoint_id", "save_id")),
+          f"storage_meta = {meta!r}")
+    _need(isinstance(doc.get("dcp_version"), str), f"dcp_version = {doc.get('dcp_version')!r}")
+    modules = meta.get("modules")
+    _need(modules is None or (isinstance(modules, list) and all(isinstance(m, str) for m in modules)),
+          f"storage_meta.modules = {modules!r}")
+    return Metadata(state_dict_metadata=entries, planner_data=_decode(doc.get("planner_data")),
+                    storage_data=storage, storage_meta=StorageMeta(meta["checkpoint_id"], meta["save_id"], None,
+                                                                   modules),
                     version=doc["dcp_version"])
 
 

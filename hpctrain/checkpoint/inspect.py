@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from collections import defaultdict
 from contextlib import ExitStack
@@ -35,9 +34,10 @@ from hpctrain.checkpoint.hdf5_storage import (
     _read,
     open_stored,
 )
-from hpctrain.checkpoint.manager import EXTRA, MARKER, committed
+from hpctrain.checkpoint.layout import EXTRA, MARKER, Verdict, parse_name, read_committed, verify_data
+from hpctrain.checkpoint.manager import committed
 
-_STEP_DIR = re.compile(r"step_(\d{8})(\.partial)?")  # manager.step_name, and the temporary name of a save
+STATUS = {"": "committed", ".partial": "partial", ".old": "replaced"}  # by name suffix; else "unusable"
 MODEL_PREFIX = "model."  # the model's entries in a training checkpoint (train.py's state: model, optimizer, rng)
 # torch dtype name -> safetensors dtype (https://huggingface.co/docs/safetensors, "Format")
 SAFETENSORS_DTYPES = {
@@ -56,10 +56,12 @@ def human_bytes(n: float) -> str:
 
 
 def _json_or_none(path: Path) -> dict | None:
+    """A JSON object, for display only: None when missing, unreadable, malformed or not an object."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 # -- ls ---------------------------------------------------------------------------------------------------------
@@ -69,7 +71,8 @@ class Listing:
     """One checkpoint directory as `ckpt ls` shows it."""
     step: int
     path: Path
-    status: str  # committed | partial (a save in flight or killed) | uncommitted (renamed, marker missing)
+    status: str  # committed | partial (a save in flight or killed) | uncommitted (renamed, marker missing) |
+    #              replaced (being replaced by a new save of its step) | unusable (set aside by a refused load)
     num_bytes: int
     num_shards: int
     marker: dict = field(default_factory=dict)  # the COMMITTED marker: step and provenance
@@ -77,7 +80,7 @@ class Listing:
 
 def checkpoint_root(path: Path) -> Path:
     """The directory holding step_* directories: path itself, its checkpoints/, or the run's checkpoint.dir."""
-    if any(_STEP_DIR.fullmatch(p.name) for p in path.iterdir()):
+    if any(parse_name(p.name) for p in path.iterdir()):
         return path
     if (path / "config.toml").is_file():  # a run directory: checkpoint.dir may point elsewhere
         from hpctrain.config import load_config
@@ -92,19 +95,23 @@ def list_checkpoints(path: Path) -> tuple[Path, list[Listing]]:
     root = checkpoint_root(path)
     out = []
     for p in root.iterdir() if root.is_dir() else ():
-        m = _STEP_DIR.fullmatch(p.name)
-        if not (m and p.is_dir()):
+        parsed = parse_name(p.name)
+        if not (parsed and p.is_dir()):
             continue
         # committed as manager.committed() counts it: the marker file exists
-        status = "partial" if m.group(2) else "committed" if (p / MARKER).is_file() else "uncommitted"
+        status = STATUS.get(parsed[1], "unusable")
+        if status == "committed" and not (p / MARKER).is_file():
+            status = "uncommitted"
         marker = _json_or_none(p / MARKER)
         files = [f for f in p.iterdir() if f.is_file()]
-        out.append(Listing(int(m.group(1)), p, status, sum(f.stat().st_size for f in files),
+        out.append(Listing(parsed[0], p, status, sum(f.stat().st_size for f in files),
                            sum(f.name.startswith("shard-") and f.suffix == ".h5" for f in files), marker or {}))
     return root, sorted(out, key=lambda c: (c.step, c.status != "committed", c.path.name))
 
 
-def format_layout(layout: dict) -> str:
+def format_layout(layout: Any) -> str:
+    if not isinstance(layout, dict):
+        return "-"
     return " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
 
 
@@ -125,7 +132,7 @@ def format_listing(root: Path, rows: list[Listing]) -> str:
 
 def resolve(path: Path) -> Path:
     """A step directory as given, or the newest committed checkpoint of a run or checkpoints directory."""
-    if _STEP_DIR.fullmatch(path.name) or (path / INDEX).is_file():
+    if parse_name(path.name) or (path / INDEX).is_file():
         return path
     done = committed(checkpoint_root(path))
     if not done:
@@ -162,10 +169,13 @@ def describe(ckpt: Path) -> dict[str, Any]:
         if fqn.startswith(MODEL_PREFIX):
             params, model_bytes = params + numel, model_bytes + nbytes
     prov = {k: v for k, v in (marker or {}).items() if k not in ("step", "config", "layout", "world_size")}
+    layout = (marker or {}).get("layout")
+    hosts = prov.get("hosts")
+    prov["hosts"] = [str(h) for h in hosts] if isinstance(hosts, list) else []  # shown, so made plain text
     return {
         "path": str(ckpt), "committed": marker is not None,
         "step": extra.get("step", (marker or {}).get("step")), "tokens_seen": extra.get("tokens_seen"),
-        "layout": (marker or {}).get("layout", {}), "world_size": (marker or {}).get("world_size"),
+        "layout": layout if isinstance(layout, dict) else {}, "world_size": (marker or {}).get("world_size"),
         "provenance": prov, "files": dict(sorted(files.items())),
         "totals": {"params": params, "model_bytes": model_bytes, "num_tensors": len(tensors),
                    "num_other": len(other), "stored_bytes": stored_bytes, "file_bytes": sum(files.values())},
@@ -198,51 +208,17 @@ def format_description(info: dict[str, Any]) -> str:
 
 # -- verify -----------------------------------------------------------------------------------------------------
 
-@dataclass
-class Verdict:
-    problems: list[str] = field(default_factory=list)
-    num_datasets: int = 0
-    num_hashed: int = 0
-    bytes_hashed: int = 0
-    unchecksummed: int = 0  # datasets saved without a crc32 (HDF5Writer(checksum=False))
-
-
 def verify(ckpt: Path, mode: str = "full") -> Verdict:
-    """Every problem of a checkpoint: marker, index, file sizes, datasets present with the indexed size and, in
-    mode "full" (every dataset) or "sampled" (the subset HDF5Reader(verify="sampled") checks), their crc32."""
+    """Every problem of a checkpoint, the checks a load makes: the marker, the checksums it recorded for
+    train_state.json and index.json, the index's schema, file sizes, every dataset's size, shape and dtype against
+    the index, JSON values, and in mode "full" (every dataset) or "sampled" (the subset a sampled load checks)
+    their crc32."""
     v = Verdict()
-    marker = _json_or_none(ckpt / MARKER)
-    step = _STEP_DIR.fullmatch(ckpt.name)
-    if marker is None:
-        v.problems.append(str(CheckpointCorrupt(ckpt / MARKER, None, "missing or not JSON: never committed")))
-    elif step and marker.get("step") != int(step.group(1)):
-        v.problems.append(str(CheckpointCorrupt(ckpt / MARKER, None, f"step {marker.get('step')} in a "
-                                                                     f"directory of step {int(step.group(1))}")))
-    if _json_or_none(ckpt / EXTRA) is None:
-        v.problems.append(str(CheckpointCorrupt(ckpt / EXTRA, None, "missing or not JSON")))
-    reader = HDF5Reader(ckpt, verify=mode)
     try:
-        md = reader.read_metadata()
+        read_committed(ckpt)
     except CheckpointCorrupt as e:
         v.problems.append(str(e))
-        return v
-    by_file: dict[str, list[Stored]] = defaultdict(list)
-    for s in md.storage_data.values():
-        by_file[s.file].append(s)
-    for name, items in sorted(by_file.items()):
-        v.num_datasets += len(items)
-        try:
-            f = reader._open(name, items[0].file_bytes)  # checks presence and size first
-        except CheckpointCorrupt as e:
-            v.problems.append(f"{e} ({len(items)} datasets not checked)")
-            continue
-        with f:
-            for s in items:
-                try:
-                    _verify_dataset(f, ckpt, s, reader.verifies(s.file, s.dataset), v)
-                except CheckpointCorrupt as e:
-                    v.problems.append(str(e))
-    return v
+    return verify_data(ckpt, mode, v=v)
 
 
 def format_verdict(ckpt: Path, v: Verdict) -> str:
@@ -251,17 +227,6 @@ def format_verdict(ckpt: Path, v: Verdict) -> str:
         return "\n".join(v.problems)
     return (f"OK {ckpt}: {v.num_datasets} datasets, crc32 of {v.num_hashed} ({human_bytes(v.bytes_hashed)})"
             + (f", {v.unchecksummed} saved without crc32" if v.unchecksummed else ""))
-
-
-def _verify_dataset(f: h5py.File, ckpt: Path, s: Stored, hash_it: bool, v: Verdict) -> None:
-    where = (ckpt / s.file, s.dataset)
-    dsid = open_stored(f, ckpt, s)
-    if s.crc32 is None:
-        v.unchecksummed += 1
-    elif hash_it:
-        _check(crc32(_read(dsid, where)), s, where)
-        v.num_hashed += 1
-        v.bytes_hashed += s.nbytes
 
 
 # -- export -----------------------------------------------------------------------------------------------------

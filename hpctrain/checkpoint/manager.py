@@ -1,21 +1,22 @@
 """Checkpoint lifecycle: one directory per step, written under a temporary name and committed atomically (rename,
-then a COMMITTED marker written last); only committed checkpoints count; the last K are kept; at most one
-asynchronous save in flight; a corrupt checkpoint falls back to the previous committed one.
+then a COMMITTED marker written last, carrying the commit order and the checksums of the JSON files); only
+committed checkpoints count; the newest K by commit order are kept; at most one asynchronous save in flight; one
+job writes a checkpoint directory at a time (lock.py); a load verifies everything before it touches live state.
 
-    mgr = CheckpointManager(cfg.checkpoint, run_dir, rank)
+    mgr = CheckpointManager(cfg.checkpoint, run_dir, rank)          # collective: rank 0 takes the directory lock
     mgr.save(step, {"model": ..., "optimizer": ...}, extra_json={...}, provenance={...})
-    step, extra, state = mgr.load_latest(make_state)     # None when there is nothing committed
+    step, extra, state = mgr.load_latest(make_state)  # None when nothing is committed; NoUsableCheckpoint when
+    mgr.close()                                        # checkpoints exist and none loads (never a silent restart)
 
 `state` maps names to torch.distributed.checkpoint Stateful objects or tensors; DCP plans the shards, the HDF5
 storage (hdf5_storage.py) writes one file per rank. `extra_json` is small control state (step, scheduler, data
-position) kept as JSON beside the shards, so nothing in a checkpoint needs pickle to read.
+position) kept as JSON beside the shards: nothing in a checkpoint is ever unpickled.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 from concurrent.futures import Future
@@ -25,32 +26,54 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt, HDF5Reader, HDF5Writer
+from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, HDF5Writer
+from hpctrain.checkpoint.layout import (
+    EXTRA,
+    MARKER,
+    MARKER_VERSION,
+    UNUSABLE,
+    file_crc,
+    marker_seq,
+    parse_name,
+    read_committed,
+    step_name,
+    verify_data,
+)
+from hpctrain.checkpoint.planners import TouchLoadPlanner
 from hpctrain.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
-MARKER = "COMMITTED"
-EXTRA = "train_state.json"
-_STEP = re.compile(r"step_(\d{8})")
+__all__ = ["MARKER", "EXTRA", "CheckpointManager", "committed", "step_name", "NoSpace", "NoUsableCheckpoint",
+           "PartialLoad"]
 
 
-def step_name(step: int) -> str:
-    return f"step_{step:08d}"
+class NoSpace(OSError):
+    """The file system cannot hold the next checkpoint: earlier checkpoints are untouched."""
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Committed checkpoints exist but none loads: the job stops instead of starting again from scratch."""
+
+
+class PartialLoad(RuntimeError):
+    """A load failed after data had reached live tensors: falling back would train on a mix of two states."""
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every committed checkpoint under root, oldest first."""
+    """(step, path) of every committed checkpoint (a step directory with a marker file) under root, oldest commit
+    first: by the marker's seq, then step; checkpoints whose marker is unreadable sort first (they never load)."""
     if not root.is_dir():
         return []
-    out = []
+    found = []
     for p in root.iterdir():
-        m = _STEP.fullmatch(p.name)
-        if m and (p / MARKER).is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+        parsed = parse_name(p.name)
+        if parsed and not parsed[1] and (p / MARKER).is_file():
+            seq = marker_seq(p)
+            found.append((-1 if seq is None else seq, parsed[0], p))
+    return [(step, p) for _, step, p in sorted(found)]
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -103,46 +126,97 @@ def state_bytes(state: dict[str, Any]) -> int:
     return total
 
 
+def _agree(rank: int, fn) -> Any:
+    """Runs fn on rank 0 and hands its result, or its error message, to every rank (no rank waits on a dead one)."""
+    box: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            box[0] = fn()
+        except Exception as e:  # noqa: BLE001 -- whatever it is, every rank must hear of it
+            box[1] = (type(e).__name__, str(e))
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        kind, msg = box[1]
+        raise (NoSpace if kind == "NoSpace" else RuntimeError if kind != "OSError" else OSError)(msg)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
 class CheckpointManager:
-    def __init__(self, ccfg: CheckpointConfig, run_dir: Path, rank: int) -> None:
+    def __init__(self, ccfg: CheckpointConfig, run_dir: Path, rank: int, writer: bool = True) -> None:
+        """writer=False reads another run's checkpoints: no lock, no clean-up, no saves."""
         self.cfg = ccfg
         self.root = Path(ccfg.dir) if ccfg.dir else Path(run_dir) / "checkpoints"
         self.rank = rank
+        self.lock = None
         self.pending: tuple[int, Future, dict, dict] | None = None  # async save in flight
+        self.async_group = None
+        self.stager = None
+        if not writer:
+            return
+        self.lock = _agree(rank, self._take_directory)
         # asynchronous saves run their collectives in a background thread: on a group of their own, or they
         # would interleave with training's collectives on the default group (a deadlock on gloo)
         self.async_group = dist.new_group(backend="gloo") if ccfg.async_save and dist.is_initialized() else None
         # one stager for the whole run keeps its host buffers: the copy that stalls training is into memory
         # already allocated (measured 0.36 s -> 0.07-0.10 s for 0.6 GB here); safe since one save is in flight
-        self.stager = None
         if ccfg.async_save:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
                                                        use_shared_memory=False, use_async_staging=False,
                                                        use_non_blocking_copy=torch.cuda.is_available()))
 
+    def _take_directory(self):
+        """Rank 0: the directory lock, then what killed saves left: .partial directories go (never committed),
+        a .old directory goes once its step's replacement is committed and is put back otherwise."""
+        from hpctrain.checkpoint.lock import acquire
+        lock = acquire(self.root)
+        for p in sorted(self.root.iterdir()):
+            parsed = parse_name(p.name)
+            if parsed is None or parsed[1] not in (".partial", ".old"):
+                continue
+            final = self.root / step_name(parsed[0])
+            if parsed[1] == ".partial" or (final / MARKER).is_file():
+                shutil.rmtree(p)
+                log.info("removed %s, left by a save that never completed", p)
+            elif not final.exists():
+                os.replace(p, final)
+                log.warning("restored %s: the save that was replacing it never committed", final)
+        return lock
+
+    def close(self) -> None:
+        """Finishes the save in flight and gives the directory back."""
+        try:
+            self.wait()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
     # -- saving -------------------------------------------------------------------------------------------
     def _prepare(self, step: int, need_bytes: int) -> Path:
         """Rank 0 makes a clean temporary directory, checks free space, stripes it; everyone waits."""
         tmp = self.root / f"{step_name(step)}.partial"
-        err: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():  # left by a save that was killed: never committed, safe to drop
-                    shutil.rmtree(tmp)
-                free = shutil.disk_usage(self.root).free
-                if need_bytes > free:
-                    raise OSError(f"checkpoint of step {step} needs about {need_bytes / 1e9:.2f} GB but "
-                                  f"{self.root} has {free / 1e9:.2f} GB free; previous checkpoints are untouched")
-                tmp.mkdir()
-                stripe(tmp, self.cfg.stripe_count, self.cfg.stripe_size_mb)
-            except OSError as e:
-                err[0] = str(e)
-        if dist.is_initialized():
-            dist.broadcast_object_list(err, src=0)
-        if err[0]:
-            raise OSError(err[0])
+
+        def make() -> None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save that was killed: never committed, safe to drop
+                shutil.rmtree(tmp)
+            free = shutil.disk_usage(self.root).free
+            if need_bytes > free:
+                raise NoSpace(f"checkpoint of step {step} needs about {need_bytes / 1e9:.2f} GB but "
+                              f"{self.root} has {free / 1e9:.2f} GB free; previous checkpoints are untouched")
+            tmp.mkdir()
+            stripe(tmp, self.cfg.stripe_count, self.cfg.stripe_size_mb)
+        _agree(self.rank, make)
         return tmp
 
     def _need_bytes(self, state: dict[str, Any]) -> int:
@@ -153,13 +227,14 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict[str, Any], extra_json: dict, provenance: dict,
              asynchronous: bool = False) -> None:
-        """Saves and commits `step`; with asynchronous=True returns once the shards are staged in memory."""
+        """Saves and commits `step`; with asynchronous=True returns once the shards are staged in memory.
+        NoSpace (on every rank) when the file system cannot hold it."""
+        assert self.lock is not None, "a read-only CheckpointManager does not save"
         self.wait()  # at most one save in flight
         tmp = self._prepare(step, self._need_bytes(state))
         writer = HDF5Writer(tmp, checksum=True, chunk_bytes=int(self.cfg.chunk_mb * (1 << 20)))
         if asynchronous:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
-                                 async_stager=self.stager)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group, async_stager=self.stager)
             self.pending = (step, fut, extra_json, provenance)
             return
         dcp.save(state, storage_writer=writer)
@@ -183,47 +258,100 @@ class CheckpointManager:
             dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:
             _write_json(tmp / EXTRA, extra_json)
+            seq = 1 + max((s for s in map(marker_seq, self.root.iterdir()) if s is not None), default=0)
+            marker = {"step": step, "seq": seq, "marker_version": MARKER_VERSION,
+                      "files": {name: file_crc(tmp / name) for name in (EXTRA, INDEX)}} | provenance
             final = self.root / step_name(step)
-            if final.exists():  # an older save of the same step (a resumed run repeating it): replace it
-                shutil.rmtree(final)
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # an older save of this step (a resumed run repeating it): kept until this commits
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(final, old)
             os.replace(tmp, final)
-            _write_json(final / MARKER, {"step": step} | provenance)  # written last: the commit point
-            _fsync_dir(self.root)
+            _write_json(final / MARKER, marker)  # written last: the commit point
+            _fsync_dir(final)  # the marker's directory entry
+            _fsync_dir(self.root)  # the renames
+            if old.exists():
+                shutil.rmtree(old)
             log.info("checkpoint step %d committed in %s", step, final)
-            self._prune()
+            self._prune(final)
         if dist.is_initialized():
             dist.barrier()
 
-    def _prune(self) -> None:
-        done = committed(self.root)
+    def _prune(self, just_committed: Path) -> None:
+        """Keeps the newest `keep` checkpoints by commit order and the one just committed; removes only
+        checkpoints whose marker reads (an unreadable one is for a person to look at, not for us to delete)."""
+        done = [(s, p) for s, p in committed(self.root) if marker_seq(p) is not None]
         for step, path in done[:-self.cfg.keep]:
-            shutil.rmtree(path, ignore_errors=True)
-            log.info("removed checkpoint step %d (keep %d)", step, self.cfg.keep)
+            if path != just_committed:
+                shutil.rmtree(path, ignore_errors=True)
+                log.info("removed checkpoint step %d (keep %d)", step, self.cfg.keep)
 
     # -- loading ------------------------------------------------------------------------------------------
     def load(self, path: Path, make_state) -> tuple[dict, dict]:
-        """Loads one committed checkpoint: make_state(extra_json) builds the state to fill in place."""
+        """Loads one committed checkpoint into the state make_state(train_state) builds. Collective. Everything
+        is checked first on every rank (marker, checksums, index, every dataset, the train state's schema inside
+        make_state); CheckpointCorrupt, naming each rank's problem, leaves the live state untouched. A failure
+        after data reached live tensors raises PartialLoad."""
         path = Path(path)
-        if not (path / MARKER).is_file():
-            raise ValueError(f"{path} is not a committed checkpoint (no {MARKER} marker)")
-        extra = json.loads((path / EXTRA).read_text())
-        state = make_state(extra)
-        dcp.load(state, storage_reader=HDF5Reader(path, verify=self.cfg.verify))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        why, extra, state = None, {}, {}
+        try:
+            if not (path / MARKER).is_file():
+                raise CheckpointCorrupt(path, None, f"not a committed checkpoint (no {MARKER} marker)")
+            _, extra = read_committed(path)
+            state = make_state(extra)  # raises ValueError for a train state of the wrong shape
+            problems = verify_data(path, self.cfg.verify, share=(self.rank % world, world)).problems
+            if problems:
+                why = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        except (CheckpointCorrupt, ValueError, TypeError, KeyError, OSError) as e:
+            why = str(e)
+        refused = [f"rank {r}: {w}" for r, w in enumerate(_gather(why)) if w]
+        if refused:
+            raise CheckpointCorrupt(path, None, "; ".join(refused[:4]))
+        planner = TouchLoadPlanner()
+        try:
+            dcp.load(state, storage_reader=HDF5Reader(path, verify=self.cfg.verify), planner=planner)
+        except (Exception, CheckpointException) as e:  # every rank raises: DCP gathers each rank's errors
+            touched = torch.tensor([float(planner.touched)])
+            if dist.is_initialized():
+                dist.all_reduce(touched)
+            if touched.item():
+                raise PartialLoad(f"loading {path} failed after its data reached the model and optimizer ({e}); "
+                                  f"not falling back to an older checkpoint on a half-loaded state: restart the "
+                                  f"job to retry") from e
+            raise CheckpointCorrupt(path, None, f"{type(e).__name__}: {e}") from e
         return extra, state
 
     def load_latest(self, make_state) -> tuple[int, dict, dict] | None:
-        """Newest committed checkpoint that loads cleanly on every rank; corrupt ones are reported and skipped."""
+        """The newest committed checkpoint (by commit order) that loads on every rank. Refused ones newer than
+        it are set aside (renamed *.unusable, never deleted) so they can no longer shadow it or be pruned in its
+        place. None when nothing is committed; NoUsableCheckpoint, listing each and why, when none loads."""
+        refused: list[tuple[Path, str]] = []
         for step, path in reversed(committed(self.root)):
-            ok, why, extra, state = True, "", {}, {}
             try:
                 extra, state = self.load(path, make_state)
-            except (CheckpointException, CheckpointCorrupt, OSError, ValueError, RuntimeError, KeyError) as e:
-                # dcp.load wraps storage errors (corrupt or truncated shards) in CheckpointException
-                ok, why = False, f"{type(e).__name__}: {e}"
-            flag = torch.tensor([0.0 if ok else 1.0])
-            if dist.is_initialized():
-                dist.all_reduce(flag)  # one rank's bad shard makes the whole checkpoint unusable
-            if flag.item() == 0:
-                return step, extra, state
-            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, why or "another rank")
+            except CheckpointCorrupt as e:
+                refused.append((path, e.reason))
+                log.warning("checkpoint %s is unusable (%s); trying the previous one", path, e.reason)
+                continue
+            if self.lock is not None:
+                _agree(self.rank, lambda: [self._set_aside(p, why) for p, why in refused])
+            return step, extra, state
+        if refused:
+            lines = "\n".join(f"  {p}: {why}" for p, why in refused)
+            raise NoUsableCheckpoint(
+                f"{len(refused)} committed checkpoint(s) in {self.root} and none loads:\n{lines}\nNothing was "
+                f"changed. To start from scratch anyway, move them away or set checkpoint.dir to a new directory.")
         return None
+
+    def _set_aside(self, path: Path, why: str) -> Path:
+        n, dest = 1, path.with_name(path.name + ".unusable")
+        while dest.exists():
+            n += 1
+            dest = path.with_name(f"{path.name}.unusable-{n}")
+        os.replace(path, dest)
+        (dest / UNUSABLE).write_text(f"refused when loading: {why}\n")
+        _fsync_dir(self.root)
+        log.warning("set %s aside as %s", path.name, dest.name)
+        return dest

@@ -4,6 +4,7 @@ RNG state, and the small control state (step, tokens, schedule, loss scale, data
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -127,3 +128,39 @@ def provenance(config: dict, layout: dict, zero_stage: int) -> dict[str, Any]:
         "torch": torch.__version__, "python": platform.python_version(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _like(value: Any, template: Any, where: str) -> None:
+    """value has template's structure: the same dict keys, lists of the template's element types, finite numbers."""
+    if isinstance(template, dict):
+        if not isinstance(value, dict) or set(value) != set(template):
+            have = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ValueError(f"{where}: {have}, expected the keys {sorted(template)}")
+        for k in template:
+            _like(value[k], template[k], f"{where}.{k}")
+    elif isinstance(template, (list, tuple)):
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: {type(value).__name__}, expected a list")
+        kinds = {type(t) for t in template}
+        for i, v in enumerate(value):
+            if kinds and type(v) not in kinds | ({float} if int in kinds else set()):
+                raise ValueError(f"{where}[{i}] = {v!r}")
+    elif isinstance(template, bool) or template is None or isinstance(template, str):
+        if type(value) is not type(template):
+            raise ValueError(f"{where} = {value!r}, expected a {type(template).__name__}")
+    elif isinstance(template, (int, float)):
+        if type(value) not in (int, float) or (type(template) is int and type(value) is not int) or not math.isfinite(
+                value):
+            raise ValueError(f"{where} = {value!r}, expected a finite {type(template).__name__}")
+
+
+def check_train_state(extra: Any, template: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's train_state.json checked against the live trainer's own (template): the same keys all the
+    way down, values of the same types, counts that make sense. ValueError names the field."""
+    _like(extra, template, "train_state")
+    for key in ("step", "tokens_seen"):
+        if extra[key] < 0:
+            raise ValueError(f"train_state.{key} = {extra[key]} is negative")
+    if not 1 <= extra["world_size"] <= 1 << 20:
+        raise ValueError(f"train_state.world_size = {extra['world_size']}")
+    return extra

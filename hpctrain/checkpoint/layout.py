@@ -1,0 +1,164 @@
+"""A checkpoint directory on disk, and the checks that decide whether one may be loaded. Nothing read here is
+trusted: every file is parsed as JSON or HDF5 (never unpickled), sizes, shapes, dtypes and checksums are compared
+with what the commit recorded, and every problem is a CheckpointCorrupt naming the file.
+
+    <checkpoints>/step_00000042/            one committed checkpoint (8 or more digits, no extra leading zeros)
+        shard-<rank>.h5, index.json         hdf5_storage.py
+        train_state.json                    the trainer's small control state (JSON)
+        COMMITTED                           written last: {"step", "seq", "files": {name: crc32}, provenance...}
+    step_00000042.partial/                  a save in flight, or one that was killed: never counts
+    step_00000042.old/                      a checkpoint being replaced by a new save of its step
+    step_00000042.unusable[-N]/             set aside after a load refused it; UNUSABLE.txt says why
+
+`seq` in the marker is the commit order: the newest checkpoint is the one committed last, not the highest step.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpctrain.checkpoint.h5file import crc32
+from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, _check, _read, open_stored
+from hpctrain.checkpoint.index import Stored
+
+MARKER = "COMMITTED"
+EXTRA = "train_state.json"
+UNUSABLE = "UNUSABLE.txt"
+MARKER_VERSION = 2  # 2: marker carries seq and the crc32 of train_state.json and index.json
+_NAME = re.compile(r"step_(\d{8,})(\.partial|\.old|\.unusable(?:-\d+)?)?")
+_MAX_JSON = 64 << 20  # a marker or train_state.json larger than this is damage
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parse_name(name: str) -> tuple[int, str] | None:
+    """(step, suffix) of a checkpoint directory name ("" for a checkpoint, ".partial", ".old", ".unusable..."),
+    None for anything else, including non-canonical spellings of a step (step_000000042)."""
+    m = _NAME.fullmatch(name)
+    if m is None or m.group(1) != f"{int(m.group(1)):08d}":
+        return None
+    return int(m.group(1)), m.group(2) or ""
+
+
+def file_crc(path: Path) -> int:
+    import numpy as np
+    return crc32(np.frombuffer(path.read_bytes(), dtype=np.uint8))
+
+
+def read_json(path: Path) -> Any:
+    """A small JSON file, as CheckpointCorrupt when missing, huge or malformed."""
+    try:
+        if path.stat().st_size > _MAX_JSON:
+            raise CheckpointCorrupt(path, None, f"{path.stat().st_size} bytes: too large for this file")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointCorrupt(path, None, "missing") from None
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointCorrupt(path, None, f"unreadable or not JSON ({e})") from None
+
+
+def read_marker(ckpt: Path) -> dict[str, Any]:
+    """The COMMITTED marker, checked: its step matches the directory's, seq and checksums are present."""
+    path = ckpt / MARKER
+    marker = read_json(path)
+    parsed = parse_name(ckpt.name)
+    if not isinstance(marker, dict):
+        raise CheckpointCorrupt(path, None, "not a JSON object")
+    step, seq, files = marker.get("step"), marker.get("seq"), marker.get("files")
+    if type(step) is not int or (parsed is not None and parsed[0] != step):
+        raise CheckpointCorrupt(path, None, f"step {step!r} in a directory named {ckpt.name}")
+    if type(seq) is not int or not isinstance(files, dict) or not all(
+            type(files.get(k)) is int for k in (EXTRA, INDEX)):
+        raise CheckpointCorrupt(path, None, f"no commit sequence or checksums (marker version "
+                                            f"{marker.get('marker_version', 1)!r}, this reader needs {MARKER_VERSION})")
+    return marker
+
+
+def marker_seq(ckpt: Path) -> int | None:
+    """The commit order of a checkpoint, None when its marker is unusable."""
+    try:
+        return read_marker(ckpt)["seq"]
+    except CheckpointCorrupt:
+        return None
+
+
+def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(marker, train state) of a committed checkpoint, after checking train_state.json and index.json against the
+    checksums the commit recorded and that the train state names the marker's step."""
+    marker = read_marker(ckpt)
+    for name in (EXTRA, INDEX):
+        try:
+            got = file_crc(ckpt / name)
+        except OSError as e:
+            raise CheckpointCorrupt(ckpt / name, None, f"unreadable ({e})") from None
+        if got != marker["files"][name]:
+            raise CheckpointCorrupt(ckpt / name, None, f"crc32 {got:#010x}, committed as {marker['files'][name]:#010x}")
+    extra = read_json(ckpt / EXTRA)
+    if not isinstance(extra, dict) or extra.get("step") != marker["step"]:
+        raise CheckpointCorrupt(ckpt / EXTRA, None, f"step {extra.get('step') if isinstance(extra, dict) else extra!r}"
+                                                    f", the marker says {marker['step']}")
+    return marker, extra
+
+
+@dataclass
+class Verdict:
+    problems: list[str] = field(default_factory=list)
+    num_datasets: int = 0
+    num_hashed: int = 0
+    bytes_hashed: int = 0
+    unchecksummed: int = 0  # datasets saved without a crc32 (HDF5Writer(checksum=False))
+
+
+def verify_data(ckpt: Path, mode: str = "full", share: tuple[int, int] = (0, 1), v: Verdict | None = None) -> Verdict:
+    """index.json, then every dataset of the shard files in this share (files i with i % share[1] == share[0]):
+    present, of the indexed size, shape and dtype, a JSON value where one is stored, and in mode "full" (every
+    dataset) or "sampled" (the subset a sampled load checks) of the committed crc32. Problems are collected."""
+    v = v or Verdict()
+    reader = HDF5Reader(ckpt, verify=mode)
+    try:
+        md = reader.read_metadata()
+    except CheckpointCorrupt as e:
+        v.problems.append(str(e))
+        return v
+    by_file: dict[str, list[Stored]] = defaultdict(list)
+    for s in md.storage_data.values():
+        by_file[s.file].append(s)
+    for i, (name, items) in enumerate(sorted(by_file.items())):
+        if i % share[1] != share[0]:
+            continue
+        v.num_datasets += len(items)
+        try:
+            f = reader._open(name, items[0].file_bytes)  # checks presence and size first
+        except CheckpointCorrupt as e:
+            v.problems.append(f"{e} ({len(items)} datasets not checked)")
+            continue
+        with f:
+            for s in items:
+                try:
+                    _verify_dataset(f, ckpt, s, reader.verifies(s.file, s.dataset), v)
+                except CheckpointCorrupt as e:
+                    v.problems.append(str(e))
+    return v
+
+
+def _verify_dataset(f, ckpt: Path, s: Stored, hash_it: bool, v: Verdict) -> None:
+    from hpctrain.checkpoint.hdf5_storage import from_json
+    where = (ckpt / s.file, s.dataset)
+    dsid = open_stored(f, ckpt, s)  # size, shape and dtype against the index; pickles refused
+    if s.crc32 is None:
+        v.unchecksummed += 1
+        hash_it = False
+    if hash_it or s.dtype == "json":
+        arr = _read(dsid, where)
+        if hash_it:
+            _check(crc32(arr), s, where)
+            v.num_hashed += 1
+            v.bytes_hashed += s.nbytes
+        if s.dtype == "json":
+            from_json(arr.tobytes(), where)
