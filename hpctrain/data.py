@@ -12,8 +12,10 @@ size resumes exactly with another. This module knows nothing of torch.distribute
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -144,9 +146,11 @@ def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
 # --- token sources ----------------------------------------------------------------------------------------
 
 class TokenSource:
-    """Random access to one long token stream by offset. `vocab_size` bounds its ids: all are < vocab_size."""
+    """Random access to one long token stream by offset. Every id is in [0, vocab_size); max_id is the largest."""
+    name: str  # for messages: the file, or "synthetic data"
     num_tokens: int
     vocab_size: int
+    max_id: int
 
     def read(self, start: int, count: int) -> np.ndarray:
         """tokens[start:start + count] as int64."""
@@ -156,13 +160,80 @@ class TokenSource:
         return self.num_tokens
 
 
-def _max_id(array: Any, n: int, step: int = 1 << 24) -> int:
-    """Scans in slices so a memmap or an HDF5 dataset is never loaded whole."""
-    return max((int(np.max(array[i:i + step])) for i in range(0, n, step)), default=-1)
+def _scan_ids(array: Any, n: int, step: int = 1 << 24) -> tuple[int, int]:
+    """(smallest id if negative else 0, largest id or -1 when empty), in slices so a memmap or an HDF5 dataset is
+    never loaded whole."""
+    low, high = 0, -1
+    for i in range(0, n, step):
+        part = array[i:i + step]
+        low = min(low, int(np.min(part))) if part.dtype.kind == "i" else low
+        high = max(high, int(np.max(part)))
+    return low, high
+
+
+def _id_range(path: Path, array: Any, n: int, dtype: np.dtype) -> tuple[int, int]:
+    """_scan_ids of a file, done once: remembered by (size, mtime_ns, dtype) in `<file>.ids.json`, or, when the
+    file's directory is not writable, in the user's cache directory (scanning a large file at every start costs
+    minutes)."""
+    st = path.stat()  # before the scan: a file changed while scanned gets a new mtime and is scanned again
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype.str}
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.blake2b(os.fsencode(path.absolute()), digest_size=10).hexdigest()
+    caches = [Path(f"{path}.ids.json"), home / "hpctrain" / "ids" / f"{digest}.json"]
+    for cache in caches:
+        try:
+            entry = json.loads(cache.read_text())
+            if {k: entry[k] for k in key} == key and type(entry["min_id"]) is type(entry["max_id"]) is int:
+                return entry["min_id"], entry["max_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # missing, unreadable or damaged: scan
+    low, high = _scan_ids(array, n)
+    for cache in caches:
+        tmp = cache.with_name(f"{cache.name}.{secrets.token_hex(4)}.tmp")  # ranks may scan at once: own names
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(key | {"min_id": low, "max_id": high}) + "\n")
+            os.replace(tmp, cache)
+            break
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return low, high
+
+
+def _count(value: Any, what: str, low: int) -> int | None:
+    """A count read from a sidecar or an HDF5 attribute, untrusted: None when absent, else an int >= low."""
+    if isinstance(value, np.integer):
+        value = int(value)
+    if value is not None and (type(value) is not int or value < low):
+        raise ValueError(f"{what} = {value!r:.80} must be an integer >= {low}")
+    return value
+
+
+def _sidecar(sidecar: Path) -> tuple[dict[str, Any], np.dtype]:
+    """A raw file's `<path>.json` ({} when absent) and its dtype: uint16 little-endian unless it says otherwise."""
+    try:
+        meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"sidecar {str(sidecar)!r} is not readable JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"sidecar {str(sidecar)!r} holds {meta!r:.80}, not a JSON object")
+    name, order = meta.get("dtype", "uint16"), meta.get("byteorder", "little")
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "iu":
+        raise ValueError(f"sidecar {str(sidecar)!r}: dtype = {name!r:.80} is not an integer type such as 'uint16'")
+    if order not in ("little", "big"):
+        raise ValueError(f"sidecar {str(sidecar)!r}: byteorder = {order!r:.80} must be 'little' or 'big'")
+    return meta, dtype.newbyteorder("<" if order == "little" else ">")
 
 
 class _PerProcess:
-    """Opens its file on first use in each process: handles must not cross fork, and pickling drops them."""
+    """A token file, opened on first use in each process: handles must not cross fork, and pickling drops them."""
+    name: str
+    path: Path
+    num_tokens: int
 
     def __init__(self) -> None:
         self._pid, self._handle = -1, None
@@ -178,31 +249,45 @@ class _PerProcess:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pid": -1, "_handle": None}
 
+    def _check_ids(self, array: Any, recorded_vocab: int | None) -> None:
+        """max_id from the file itself (metadata can understate it); vocab_size the recorded one unless too small."""
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"{self.name!r} holds {array.dtype} tokens; token ids must be integers")
+        low, self.max_id = _id_range(self.path, array, self.num_tokens, array.dtype)
+        if low < 0:
+            raise ValueError(f"{self.name!r} holds the negative token id {low}: ids must be >= 0")
+        self.vocab_size = max(recorded_vocab or 0, self.max_id + 1)
+
 
 class ArraySource(_PerProcess, TokenSource):
     """A .npy file or a raw little-endian file (.bin), each with an optional `<path>.json` sidecar.
 
-    Without a sidecar a raw file is read as uint16 and the vocab is found by scanning for the largest id.
+    Without a sidecar a raw file is read as uint16. Either way the ids are scanned once (see _id_range).
     """
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
-        sidecar = Path(str(self.path) + ".json")
-        meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
+        self.name = str(self.path)
+        sidecar = Path(f"{self.path}.json")
+        meta, dtype = _sidecar(sidecar)
         self.dtype = None  # .npy: its header knows
         if self.path.suffix != ".npy":
-            self.dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")  # a raw file without one: uint16
+            self.dtype = dtype
             if self.path.stat().st_size == 0:  # np.memmap's own message would not name the file
-                raise ValueError(f"{str(self.path)!r} is empty: it holds no tokens")
-        array = self._get()
+                raise ValueError(f"{self.name!r} is empty: it holds no tokens")
+        try:
+            array = self._get()
+        except ValueError as e:  # numpy's messages (a bad .npy header, a size not a multiple of the dtype) do not
+            raise ValueError(f"{self.name!r} cannot be read as tokens: {e}") from None
         if array.ndim != 1:
-            raise ValueError(f"{str(self.path)!r} holds an array of shape {array.shape}; tokens must be 1-d")
+            raise ValueError(f"{self.name!r} holds an array of shape {array.shape}; tokens must be 1-d")
         self.num_tokens = int(array.shape[0])
-        if "num_tokens" in meta and meta["num_tokens"] != self.num_tokens:
-            raise ValueError(f"{str(self.path)!r} holds {self.num_tokens} tokens but its sidecar records "
-                             f"{meta['num_tokens']}: the file is truncated or the sidecar is stale")
-        self.vocab_size = int(meta.get("vocab_size") or _max_id(array, self.num_tokens) + 1)
+        recorded = _count(meta.get("num_tokens"), f"sidecar {str(sidecar)!r}: num_tokens", 0)
+        if recorded is not None and recorded != self.num_tokens:
+            raise ValueError(f"{self.name!r} holds {self.num_tokens} tokens but its sidecar records "
+                             f"{recorded}: the file is truncated or the sidecar is stale")
+        self._check_ids(array, _count(meta.get("vocab_size"), f"sidecar {str(sidecar)!r}: vocab_size", 1))
 
     def _open(self) -> np.ndarray:
         if self.dtype is None:
@@ -214,20 +299,21 @@ class ArraySource(_PerProcess, TokenSource):
 
 
 class HDF5Source(_PerProcess, TokenSource):
-    """Dataset "tokens" of an HDF5 file (see build_dataset); a vocab_size attribute saves a full scan."""
+    """Dataset "tokens" of an HDF5 file (see build_dataset), with an optional vocab_size attribute."""
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
+        self.name = str(self.path)
         with h5py.File(self.path, "r") as f:  # closed again: the real handle is opened per process
-            if "tokens" not in f:
-                raise ValueError(f"{str(self.path)!r} has no dataset 'tokens' (it holds {sorted(f.keys())})")
-            dset = f["tokens"]
+            dset = f.get("tokens")
+            if not isinstance(dset, h5py.Dataset):
+                raise ValueError(f"{self.name!r} has no dataset 'tokens' (it holds {sorted(f.keys())})")
             if dset.ndim != 1:
-                raise ValueError(f"{str(self.path)!r}: 'tokens' has shape {dset.shape}; tokens must be 1-d")
+                raise ValueError(f"{self.name!r}: 'tokens' has shape {dset.shape}; tokens must be 1-d")
             self.num_tokens = int(dset.shape[0])
-            recorded = dset.attrs.get("vocab_size")
-            self.vocab_size = int(recorded) if recorded is not None else _max_id(dset, self.num_tokens) + 1
+            recorded = _count(dset.attrs.get("vocab_size"), f"{self.name!r}: attribute vocab_size", 1)
+            self._check_ids(dset, recorded)
 
     def _open(self) -> h5py.File:
         return h5py.File(self.path, "r")  # kept open: one handle per process for its whole life
@@ -252,6 +338,7 @@ class SyntheticSource(TokenSource):
         if vocab_size < 2:
             raise ValueError(f"synthetic data needs vocab_size >= 2 (EOS plus one token), got {vocab_size}")
         self.vocab_size, self.seed, self.num_tokens = vocab_size, seed, num_tokens
+        self.name, self.max_id = "synthetic data", vocab_size - 1
 
     def _chunk(self, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, index])
@@ -297,9 +384,12 @@ def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
             source = HDF5Source(path) if is_hdf5 else ArraySource(path)
         except OSError as e:
             raise ValueError(f"data.path = {cfg.path!r} cannot be read as {cfg.source}: {e}") from None
+    if source.max_id >= vocab_size:
+        raise ValueError(f"{name} holds token ids up to {source.max_id} but model.vocab_size = {vocab_size}: "
+                         f"every id must be < vocab_size")
     if source.vocab_size > vocab_size:
-        raise ValueError(f"{name} has vocab_size {source.vocab_size} (ids up to "
-                         f"{source.vocab_size - 1}) but model.vocab_size = {vocab_size}")
+        raise ValueError(f"{name} records vocab_size {source.vocab_size} (ids up to {source.max_id}) but "
+                         f"model.vocab_size = {vocab_size}: the model must embed every id of its tokenizer")
     if len(source) < cfg.seq_len + 1:
         raise ValueError(f"{name} holds {len(source)} tokens, fewer than one sequence of "
                          f"data.seq_len + 1 = {cfg.seq_len + 1}")
@@ -353,6 +443,10 @@ class TokenLoader:
         self.sample_index += self.global_batch
         self.samples_seen += self.global_batch
         rows = np.stack([self.source.read(int(i) * self.seq_len, self.seq_len + 1) for i in indices])
+        bad = rows[(rows < 0) | (rows >= self.source.vocab_size)]
+        if bad.size:  # open_source checked the whole file, but a file rewritten since can hold anything
+            raise ValueError(f"{self.source.name!r} holds token id {int(bad[0])} outside vocab_size "
+                             f"{self.source.vocab_size}, checked when it was opened: was the file changed since?")
         tokens = torch.from_numpy(rows)  # (B, seq_len + 1) int64
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

@@ -159,12 +159,27 @@ def test_build_refuses_bad_input(texts, tmp_path):
 def test_vocab_too_big_for_the_model_names_both_numbers(texts, tmp_path):
     build_dataset([texts], tmp_path / "c.h5")
     cfg = DataConfig(source="hdf5", path=str(tmp_path / "c.h5"), seq_len=4)
-    refused(open_source, cfg, 100, fragments=["vocab_size 256", "model.vocab_size = 100"])
+    top = max(encode("print('h\u00e9llo \u4e16\u754c')\n"))  # the largest byte of the texts
+    refused(open_source, cfg, 100, fragments=["c.h5", f"ids up to {top}", "model.vocab_size = 100"])
+    # every id fits, but the file's tokenizer has more ids than the model can embed
+    refused(open_source, cfg, top + 1, fragments=["records vocab_size 256", f"model.vocab_size = {top + 1}"])
+    assert open_source(cfg, 256).max_id == top
     # without metadata the vocab is the largest id + 1, found by scanning
     np.save(tmp_path / "big.npy", np.array([1, 2, 999, 3, 4, 5], dtype=np.uint16))
     cfg = DataConfig(source="bin", path=str(tmp_path / "big.npy"), seq_len=2)
-    refused(open_source, cfg, 512, fragments=["vocab_size 1000", "ids up to 999", "model.vocab_size = 512"])
+    refused(open_source, cfg, 512, fragments=["big.npy", "ids up to 999", "model.vocab_size = 512"])
     assert open_source(cfg, 1000).vocab_size == 1000
+
+
+def test_id_scan_cache_sits_beside_the_file_and_matches_it(texts, tmp_path):
+    build_dataset([texts], tmp_path / "c.bin")
+    source = open_source(DataConfig(source="bin", path=str(tmp_path / "c.bin"), seq_len=4), 256)
+    cache = json.loads((tmp_path / "c.bin.ids.json").read_text())
+    st = (tmp_path / "c.bin").stat()
+    assert cache == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": "<u2", "min_id": 0,
+                     "max_id": source.max_id}
+    assert source.max_id == int(source.read(0, len(source)).max())
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_too_short_and_mismatched_paths_are_refused(tmp_path):
