@@ -177,9 +177,9 @@ def _id_range(path: Path, array: Any, n: int, dtype: np.dtype) -> tuple[int, int
     minutes)."""
     st = path.stat()  # before the scan: a file changed while scanned gets a new mtime and is scanned again
     key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype.str}
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # stays "~/..." without a home
     digest = hashlib.blake2b(os.fsencode(path.absolute()), digest_size=10).hexdigest()
-    caches = [Path(f"{path}.ids.json"), home / "hpctrain" / "ids" / f"{digest}.json"]
+    caches = [Path(f"{path}.ids.json")] + [Path(home, "hpctrain", "ids", f"{digest}.json")] * os.path.isabs(home)
     for cache in caches:
         try:
             entry = json.loads(cache.read_text())
