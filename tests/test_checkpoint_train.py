@@ -13,8 +13,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from faults import record
 
 from conftest import REPO, free_base_port, spawn_ranks
+from hpctrain.checkpoint.manager import committed
 
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]
 PP_LAYOUT = ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
@@ -45,6 +47,10 @@ def _cases(out: Path) -> list[dict]:
                                       "checkpoint.at_end=false"]},
         {"name": "async", "overrides": LAYOUT + ["train.steps=8", "checkpoint.every_steps=2",
                                                  "checkpoint.async_save=true", "checkpoint.keep=3", ck("ckF")]},
+        # USR2 one step after an asynchronous save began: it is finished and committed, then step 3 is saved
+        {"name": "async_first", "overrides": LAYOUT + ["train.steps=8", "checkpoint.every_steps=2",
+                                                       "checkpoint.async_save=true", ck("ckG")], "preempt_at": 3},
+        {"name": "async_resumed", "overrides": LAYOUT + ["train.steps=8", ck("ckG"), "checkpoint.at_end=false"]},
     ]
 
 
@@ -71,6 +77,15 @@ def test_same_layout_resume_is_bitwise(runs) -> None:
     assert runs["resumed"]["losses"] == runs["full"]["losses"][4:]
     for k, v in runs["full"]["weights"].items():
         assert torch.equal(v, runs["resumed"]["weights"][k]), k
+
+
+def test_usr2_during_async_save_resumes_bitwise(runs) -> None:
+    first, resumed = runs["async_first"], runs["async_resumed"]
+    assert first["preempted"] and first["steps"] == 3 and resumed["resumed_from"] == 3
+    assert first["losses"] + resumed["losses"] == runs["full"]["losses"]
+    assert [s for s, _ in committed(runs["out"] / "ckG")] == [2, 3]
+    record("USR2 on one of 4 ranks while an asynchronous save is in flight", "the async save commits, step 3 "
+           "is saved, the resumed run's losses are bitwise the uninterrupted run's", tier="multi-process")
 
 
 def _continues_from_step4(got: dict, ref: dict) -> None:

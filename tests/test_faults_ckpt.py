@@ -338,3 +338,36 @@ def test_fresh_start_over_checkpoints_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="holds committed checkpoints"):
         _fit(tmp_path, "train.steps=2", "train.resume=none")
     assert _steps(tmp_path / "ck") == [1]
+
+
+@pytest.mark.parametrize("fault", ["truncated shard", "deleted index", "marker without files", "disk full"])
+def test_damage_already_handled_falls_back(tmp_path, fault, monkeypatch) -> None:
+    _fit(tmp_path, "train.steps=2", "checkpoint.every_steps=1")
+    ck = tmp_path / "ck" / "step_00000002"
+    if fault == "truncated shard":
+        shard = ck / "shard-0.h5"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif fault == "deleted index":
+        (ck / "index.json").unlink()
+    elif fault == "marker without files":
+        for f in ck.iterdir():
+            if f.name != "COMMITTED":
+                f.unlink()
+    else:  # ENOSPC in the middle of writing step 3's shard: the save fails, nothing is committed
+        real = hdf5_storage.fsync
+
+        def full(path):  # where a full disk shows up when writes are buffered: the shard's flush
+            raise OSError(28, "No space left on device (injected)")
+        monkeypatch.setattr(hdf5_storage, "fsync", full)
+        with pytest.raises(BaseException, match="No space left"):
+            _fit(tmp_path, "train.steps=3")
+        monkeypatch.setattr(hdf5_storage, "fsync", real)
+        assert _steps(tmp_path / "ck") == [1, 2] and (tmp_path / "ck" / "step_00000003.partial").exists()
+        assert _fit(tmp_path, "train.steps=3")["resumed_from"] == 2
+        assert not (tmp_path / "ck" / "step_00000003.partial").exists()
+        record("disk full (ENOSPC) while writing a shard", "the save fails the job; nothing of it is committed; "
+               "the next job resumes from the previous checkpoint and removes the partial save", tier="checkpoint")
+        return
+    assert _fit(tmp_path, "train.steps=3")["resumed_from"] == 1
+    record(f"{fault} in the newest checkpoint", "refused before loading; falls back to the previous checkpoint, "
+           "which is kept", tier="checkpoint")

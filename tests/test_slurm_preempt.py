@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from faults import record
 
 from conftest import EXAMPLE, REPO, env_with_venv, hpctrain, only_run_dir, tool
 from hpctrain.checkpoint.manager import committed
@@ -70,6 +71,8 @@ def test_preempt_requeue_resume_matches_uninterrupted(slurm_cluster, tmp_path) -
     assert a and a.keys() == b.keys()
     for key in a:
         assert np.array_equal(a[key], b[key]), key
+    record("Slurm preemption signal (scancel --signal=USR2) mid-run", "checkpoint, requeue, resume; the final "
+           "checkpoint bitwise equal to an uninterrupted job's", tier="slurm")
 
 
 def _rank_pid(job_id: str, rank: int) -> int | None:
@@ -110,7 +113,9 @@ def test_kill_9_during_save_resumes_from_last_committed(slurm_cluster, tmp_path)
         time.sleep(0.002)
     assert partial.exists(), "the save of step 6 never started"
     os.kill(victim, signal.SIGKILL)  # in the middle of the save of step 6
+    t0 = time.time()
     out, err = proc.communicate(timeout=300)
+    gone = time.time() - t0
     assert proc.returncode == 1, out + err  # the job failed, and --wait said so
     assert [s for s, _ in committed(run / "checkpoints")] == [3]  # the killed save never counts
 
@@ -119,3 +124,5 @@ def test_kill_9_during_save_resumes_from_last_committed(slurm_cluster, tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     summary = json.loads((only_run_dir(tmp_path / "b") / "summary.json").read_text())
     assert summary["ok"] and summary["train"]["resumed_from"] == 3 and summary["train"]["steps"] == 8
+    record("SIGKILL of one rank in the middle of a save (Slurm, 2 nodes)", "the job fails (--wait exits 1); the "
+           "killed save never counts; a new job resumes from the last committed step", gone, tier="slurm")
