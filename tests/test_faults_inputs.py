@@ -111,7 +111,7 @@ def test_surrogate_escape_in_a_config_file_names_file_and_line(tmp_path):
     record("TOML escape of a lone surrogate in a config file", "ValueError naming the file and line", tier="pure")
 
 
-def test_cli_refuses_non_utf8_argv(tmp_path):
+def test_cli_refuses_non_utf8_argv():
     out = hpctrain("submit", str(EXAMPLE), "--dry-run", "--set", os.fsdecode(b"data.path=/x/\xff.bin"))
     clean_cli_error(out, "data.path", "UTF-8")
     record("non-UTF-8 bytes in a --set value", "exit 2 naming the key, no traceback", tier="cli")
