@@ -1,4 +1,4 @@
-"""Tokens for training: a byte tokenizer, dataset files, random-access token sources and a resumable loader.
+"""Tokens for training: a byte tokenizer, dataset files, the source [data] names and a resumable loader.
 
     python -m hpctrain.data data/corpus.bin              # the bundled corpus: this project's own text files
     python -m hpctrain.data data/notes.h5 notes/ a.txt   # any text files or directories
@@ -9,13 +9,12 @@
 
 The loader's position is global (samples consumed by all dp ranks together), so a checkpoint taken with one dp
 size resumes exactly with another. This module knows nothing of torch.distributed: ranks come in as ints.
+Reading token files (ArraySource, HDF5Source, their checks and id-scan cache) lives in hpctrain.tokenfiles.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from hpctrain.config import DataConfig
+from hpctrain.tokenfiles import ArraySource, HDF5Source, TokenSource
 
 # --- tokenizer --------------------------------------------------------------------------------------------
 
@@ -143,184 +143,7 @@ def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
             "bytes": out.stat().st_size, "path": str(out)}
 
 
-# --- token sources ----------------------------------------------------------------------------------------
-
-class TokenSource:
-    """Random access to one long token stream by offset. Every id is in [0, vocab_size); max_id is the largest."""
-    name: str  # for messages: the file, or "synthetic data"
-    num_tokens: int
-    vocab_size: int
-    max_id: int
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        """tokens[start:start + count] as int64."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-
-def _scan_ids(array: Any, n: int, step: int = 1 << 24) -> tuple[int, int]:
-    """(smallest id if negative else 0, largest id or -1 when empty), in slices so a memmap or an HDF5 dataset is
-    never loaded whole."""
-    low, high = 0, -1
-    for i in range(0, n, step):
-        part = array[i:i + step]
-        low = min(low, int(np.min(part))) if part.dtype.kind == "i" else low
-        high = max(high, int(np.max(part)))
-    return low, high
-
-
-def _id_range(path: Path, array: Any, n: int, dtype: np.dtype) -> tuple[int, int]:
-    """_scan_ids of a file, done once: remembered by (size, mtime_ns, dtype) in `<file>.ids.json`, or, when the
-    file's directory is not writable, in the user's cache directory (scanning a large file at every start costs
-    minutes)."""
-    st = path.stat()  # before the scan: a file changed while scanned gets a new mtime and is scanned again
-    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": dtype.str}
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # stays "~/..." without a home
-    digest = hashlib.blake2b(os.fsencode(path.absolute()), digest_size=10).hexdigest()
-    caches = [Path(f"{path}.ids.json")] + [Path(home, "hpctrain", "ids", f"{digest}.json")] * os.path.isabs(home)
-    for cache in caches:
-        try:
-            entry = json.loads(cache.read_text())
-            if {k: entry[k] for k in key} == key and type(entry["min_id"]) is type(entry["max_id"]) is int:
-                return entry["min_id"], entry["max_id"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # missing, unreadable or damaged: scan
-    low, high = _scan_ids(array, n)
-    for cache in caches:
-        tmp = cache.with_name(f"{cache.name}.{secrets.token_hex(4)}.tmp")  # ranks may scan at once: own names
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(key | {"min_id": low, "max_id": high}) + "\n")
-            os.replace(tmp, cache)
-            break
-        except OSError:
-            tmp.unlink(missing_ok=True)
-    return low, high
-
-
-def _count(value: Any, what: str, low: int) -> int | None:
-    """A count read from a sidecar or an HDF5 attribute, untrusted: None when absent, else an int >= low."""
-    if isinstance(value, np.integer):
-        value = int(value)
-    if value is not None and (type(value) is not int or value < low):
-        raise ValueError(f"{what} = {value!r:.80} must be an integer >= {low}")
-    return value
-
-
-def _sidecar(sidecar: Path) -> tuple[dict[str, Any], np.dtype]:
-    """A raw file's `<path>.json` ({} when absent) and its dtype: uint16 little-endian unless it says otherwise."""
-    try:
-        meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"sidecar {str(sidecar)!r} is not readable JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"sidecar {str(sidecar)!r} holds {meta!r:.80}, not a JSON object")
-    name, order = meta.get("dtype", "uint16"), meta.get("byteorder", "little")
-    try:
-        dtype = np.dtype(name) if isinstance(name, str) else None
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.kind not in "iu":
-        raise ValueError(f"sidecar {str(sidecar)!r}: dtype = {name!r:.80} is not an integer type such as 'uint16'")
-    if order not in ("little", "big"):
-        raise ValueError(f"sidecar {str(sidecar)!r}: byteorder = {order!r:.80} must be 'little' or 'big'")
-    return meta, dtype.newbyteorder("<" if order == "little" else ">")
-
-
-class _PerProcess:
-    """A token file, opened on first use in each process: handles must not cross fork, and pickling drops them."""
-    name: str
-    path: Path
-    num_tokens: int
-
-    def __init__(self) -> None:
-        self._pid, self._handle = -1, None
-
-    def _open(self) -> Any:
-        raise NotImplementedError
-
-    def _get(self) -> Any:
-        if self._pid != os.getpid():
-            self._pid, self._handle = os.getpid(), self._open()
-        return self._handle
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pid": -1, "_handle": None}
-
-    def _check_ids(self, array: Any, recorded_vocab: int | None) -> None:
-        """max_id from the file itself (metadata can understate it); vocab_size the recorded one unless too small."""
-        if array.dtype.kind not in "iu":
-            raise ValueError(f"{self.name!r} holds {array.dtype} tokens; token ids must be integers")
-        low, self.max_id = _id_range(self.path, array, self.num_tokens, array.dtype)
-        if low < 0:
-            raise ValueError(f"{self.name!r} holds the negative token id {low}: ids must be >= 0")
-        self.vocab_size = max(recorded_vocab or 0, self.max_id + 1)
-
-
-class ArraySource(_PerProcess, TokenSource):
-    """A .npy file or a raw little-endian file (.bin), each with an optional `<path>.json` sidecar.
-
-    Without a sidecar a raw file is read as uint16. Either way the ids are scanned once (see _id_range).
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.name = str(self.path)
-        sidecar = Path(f"{self.path}.json")
-        meta, dtype = _sidecar(sidecar)
-        self.dtype = None  # .npy: its header knows
-        if self.path.suffix != ".npy":
-            self.dtype = dtype
-            if self.path.stat().st_size == 0:  # np.memmap's own message would not name the file
-                raise ValueError(f"{self.name!r} is empty: it holds no tokens")
-        try:
-            array = self._get()
-        except ValueError as e:  # numpy's messages (a bad .npy header, a size not a multiple of the dtype) do not
-            raise ValueError(f"{self.name!r} cannot be read as tokens: {e}") from None
-        if array.ndim != 1:
-            raise ValueError(f"{self.name!r} holds an array of shape {array.shape}; tokens must be 1-d")
-        self.num_tokens = int(array.shape[0])
-        recorded = _count(meta.get("num_tokens"), f"sidecar {str(sidecar)!r}: num_tokens", 0)
-        if recorded is not None and recorded != self.num_tokens:
-            raise ValueError(f"{self.name!r} holds {self.num_tokens} tokens but its sidecar records "
-                             f"{recorded}: the file is truncated or the sidecar is stale")
-        self._check_ids(array, _count(meta.get("vocab_size"), f"sidecar {str(sidecar)!r}: vocab_size", 1))
-
-    def _open(self) -> np.ndarray:
-        if self.dtype is None:
-            return np.load(self.path, mmap_mode="r")
-        return np.memmap(self.path, dtype=self.dtype, mode="r")
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        return np.asarray(self._get()[start:start + count], dtype=np.int64)
-
-
-class HDF5Source(_PerProcess, TokenSource):
-    """Dataset "tokens" of an HDF5 file (see build_dataset), with an optional vocab_size attribute."""
-
-    def __init__(self, path: str | Path) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.name = str(self.path)
-        with h5py.File(self.path, "r") as f:  # closed again: the real handle is opened per process
-            dset = f.get("tokens")
-            if not isinstance(dset, h5py.Dataset):
-                raise ValueError(f"{self.name!r} has no dataset 'tokens' (it holds {sorted(f.keys())})")
-            if dset.ndim != 1:
-                raise ValueError(f"{self.name!r}: 'tokens' has shape {dset.shape}; tokens must be 1-d")
-            self.num_tokens = int(dset.shape[0])
-            recorded = _count(dset.attrs.get("vocab_size"), f"{self.name!r}: attribute vocab_size", 1)
-            self._check_ids(dset, recorded)
-
-    def _open(self) -> h5py.File:
-        return h5py.File(self.path, "r")  # kept open: one handle per process for its whole life
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        return np.asarray(self._get()["tokens"][start:start + count], dtype=np.int64)
-
+# --- token sources (files: hpctrain.tokenfiles) ----------------------------------------------------------
 
 class SyntheticSource(TokenSource):
     """Endless-looking learnable text with no file: documents of 32-256 tokens separated by EOS.

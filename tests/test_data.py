@@ -1,4 +1,5 @@
-"""Pure tests of hpctrain.data: tokenizer, dataset files, token sources and the resumable sharded loader.
+"""Pure tests of hpctrain.data and hpctrain.tokenfiles: tokenizer, dataset files, token sources and the resumable
+sharded loader.
 
     .venv/bin/python -m pytest tests/test_data.py -q
 """
@@ -17,8 +18,6 @@ from hpctrain.config import DataConfig
 from hpctrain.data import (
     EOS,
     VOCAB_SIZE,
-    ArraySource,
-    HDF5Source,
     SyntheticSource,
     TokenLoader,
     build_dataset,
@@ -27,6 +26,7 @@ from hpctrain.data import (
     open_source,
     project_corpus_inputs,
 )
+from hpctrain.tokenfiles import ArraySource, HDF5Source
 
 SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}
 

@@ -19,7 +19,7 @@ import pytest
 from faults import record
 
 from conftest import EXAMPLE, hpctrain
-from hpctrain import data, runs
+from hpctrain import data, runs, tokenfiles
 from hpctrain.config import SECTIONS, DataConfig, TrainConfig, load_config
 
 pytestmark = pytest.mark.faults
@@ -333,8 +333,8 @@ def test_hdf5_untrusted_attribute_and_dtype(tmp_path):
 def test_scan_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
     path = bin_file(tmp_path, range(200), {"vocab_size": 256})
     scans = []
-    real = data._scan_ids
-    monkeypatch.setattr(data, "_scan_ids", lambda *a: scans.append(1) or real(*a))
+    real = tokenfiles._scan_ids
+    monkeypatch.setattr(tokenfiles, "_scan_ids", lambda *a: scans.append(1) or real(*a))
     cfg = DataConfig(source="bin", path=str(path), seq_len=8)
     assert data.open_source(cfg, 256).max_id == 199 and len(scans) == 1
     assert data.open_source(cfg, 256).max_id == 199 and len(scans) == 1  # a second run does not rescan
@@ -355,8 +355,8 @@ def test_scan_cache_falls_back_when_the_files_directory_is_not_writable(tmp_path
     (tmp_path / "tok.bin.ids.json").mkdir()  # cannot be written as a file, whoever we run as
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     scans = []
-    real = data._scan_ids
-    monkeypatch.setattr(data, "_scan_ids", lambda *a: scans.append(1) or real(*a))
+    real = tokenfiles._scan_ids
+    monkeypatch.setattr(tokenfiles, "_scan_ids", lambda *a: scans.append(1) or real(*a))
     cfg = DataConfig(source="bin", path=str(path), seq_len=8)
     assert data.open_source(cfg, 256).max_id == 199
     assert data.open_source(cfg, 256).max_id == 199 and len(scans) == 1
