@@ -165,7 +165,6 @@ def test_cli_absurd_world_size_fails_fast_and_16k_ranks_dry_run():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "#SBATCH --nodes=2048" in out.stdout and "#SBATCH --ntasks-per-node=8" in out.stdout
     assert "layout pp=16 dp=128 tp=8: 16384 ranks" in out.stdout
-    assert out.stdout.count("\n16383 ") == 1  # the last rank's row
     record("hpctrain submit --dry-run with job.nodes = 10^10", "exit 2 naming both numbers; 2048 x 8 still dry-runs",
            tier="cli")
 
