@@ -210,8 +210,8 @@ def test_squeue_verdicts(tmp_path, monkeypatch) -> None:
 @pytest.mark.slurm
 def test_real_slurm_ended_and_running_jobs(slurm_cluster, tmp_path) -> None:
     def sbatch(cmd: str) -> str:
-        return subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", cmd], capture_output=True, text=True,
-                              check=True, timeout=20).stdout.strip().split(";")[0]
+        return subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", cmd], capture_output=True,
+                              text=True, check=True, timeout=20).stdout.strip().split(";")[0]
     done, running = sbatch("true"), sbatch("sleep 60")
     try:
         deadline = time.monotonic() + 60
