@@ -17,22 +17,13 @@ import h5py
 import numpy as np
 import pytest
 from faults import record
+from test_data import refused
 
 from conftest import EXAMPLE, hpctrain
 from hpctrain import data, runs, tokenfiles
 from hpctrain.config import SECTIONS, DataConfig, TrainConfig, load_config
 
 pytestmark = pytest.mark.faults
-
-
-def refused(fn, *args, fragments, **kwargs) -> str:
-    """fn must raise ValueError whose message holds every fragment; returns the message."""
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    for fragment in fragments:
-        assert fragment in msg, f"{fragment!r} not in {msg!r}"
-    return msg
 
 
 def clean_cli_error(out, *fragments) -> None:
