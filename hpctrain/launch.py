@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import shutil
 import subprocess
@@ -34,6 +35,18 @@ class CliTask:
     def __call__(self) -> Any:
         from hpctrain import cli
         return cli.main(self.argv, standalone_mode=False)
+
+
+def leave_task_error(trace: str) -> None:
+    """Inside a submitit task: its error result, as submitit writes it when a task raises. A rank that ends its
+    launch with MPI_Abort never returns to submitit, and `wait` would otherwise wait for a result that never comes."""
+    if "SUBMITIT_FOLDER" not in os.environ:  # set by submitit's task runner only
+        return
+    import submitit
+    from submitit.core import utils
+
+    with utils.temporary_save_path(submitit.JobEnvironment().paths.result_pickle) as tmp:
+        utils.cloudpickle_dump(("error", trace), tmp)
 
 
 def train_argv(config_path: Path, run_dir: Path) -> list[str]:
@@ -104,12 +117,15 @@ def check_cluster(cfg: Config) -> None:
 
 
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
-    """[job] -> submitit SlurmExecutor parameters (sbatch option names)."""
+    """[job] -> submitit SlurmExecutor parameters (sbatch option names).
+
+    srun gets --kill-on-bad-exit=1 first (job.srun_args may override it): a task that dies or exits non-zero ends
+    the others at once, instead of leaving them in a collective until parallel.timeout_s."""
     j = cfg.job
     params: dict[str, Any] = {
         "job_name": j.name, "nodes": j.nodes, "ntasks_per_node": j.tasks_per_node,
         "cpus_per_task": j.cpus_per_task, "time": j.time_min, "signal_delay_s": j.signal_delay_s,
-        "srun_args": list(j.srun_args), "setup": list(j.setup), "stderr_to_stdout": False,
+        "srun_args": ["--kill-on-bad-exit=1", *j.srun_args], "setup": list(j.setup), "stderr_to_stdout": False,
     }
     optional = {"partition": j.partition, "account": j.account, "qos": j.qos, "constraint": j.constraint,
                 "gpus_per_node": j.gpus_per_node or None, "exclusive": j.exclusive or None,
@@ -237,9 +253,12 @@ def wait(job: Any, run_dir: Path, kind: str, cfg: Config, echo=print, poll_s: fl
             break
         time.sleep(poll_s)
     deadline = time.time() + cfg.job.wait_timeout_s
-    while not _has_results(job) and time.time() < deadline:
+    while not _has_results(job) and _task_error(job) is None and time.time() < deadline:
         time.sleep(0.5)
     pos = _follow_log(log_path, pos, echo)
+    error = _task_error(job)  # a rank that aborted the launch left the only result there will be
+    if error is not None:
+        raise SubmitError(f"job {job.job_id} failed: {error.strip()[-3000:]}")
     if not _has_results(job):
         raise SubmitError(f"job {job.job_id} left the queue without a result within {cfg.job.wait_timeout_s} s "
                           f"(killed or crashed?); see {run_dir / 'submitit'} and {log_path.parent}")
@@ -252,3 +271,15 @@ def wait(job: Any, run_dir: Path, kind: str, cfg: Config, echo=print, poll_s: fl
 def _has_results(job: Any) -> bool:
     """submitit writes one result pickle per task when the task ends, failed or not."""
     return all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks))
+
+
+def _task_error(job: Any) -> str | None:
+    """The error of the first task whose result is a failure, among the results already written."""
+    for t in range(job.num_tasks):
+        task = job.task(t)
+        if task.paths.result_pickle.exists():
+            try:
+                task.results()
+            except Exception as e:
+                return str(e)
+    return None

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -114,6 +115,23 @@ def identity_from_node_names(rank: int, names: list[str], launcher: str, job_id:
 def _mpi_comm():
     from mpi4py import MPI  # initialises MPI; imported only when launched under MPI
     return MPI.COMM_WORLD
+
+
+def mpi_running() -> bool:
+    """MPI was started in this process (identify() under MPI) and is not finalized yet."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+
+
+def abort_launch(code: int = 1) -> None:
+    """Ends every rank of this MPI launch now (MPI_Abort); returns without MPI.
+
+    A failed rank must not exit normally under MPI: mpi4py's exit hook calls MPI_Finalize, which waits for peers
+    that may be stuck in a collective or stopped, and the job would hold its nodes until the time limit."""
+    if mpi_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
 def identify(rendezvous: str = "auto") -> Identity:

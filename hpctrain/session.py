@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import platform
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,14 +96,35 @@ def _build_mesh(s: Session) -> None:
     log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES + mesh.NODE_AXES))
 
 
+def inject_fault(point: str, rank: int) -> None:
+    """Test hook of the fault campaign (tests/test_faults_launch.py), read here and nowhere else:
+    HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<point> makes that rank raise, or send itself the signal, at `point`
+    (rendezvous: identity known, before torch.distributed; ready: mesh checked, before the payload)."""
+    spec = os.environ.get("HPCTRAIN_FAULT", "")
+    if not spec:
+        return
+    action, fault_rank, fault_point = spec.split(":")
+    if (int(fault_rank), fault_point) != (rank, point):
+        return
+    log.warning("HPCTRAIN_FAULT: %s on rank %d at %s", action, rank, point)
+    if action == "raise":
+        raise RuntimeError(f"HPCTRAIN_FAULT: injected failure on rank {rank} at {point}")
+    os.kill(os.getpid(), signal.Signals[action])
+
+
 @contextlib.contextmanager
 def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
-    """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit."""
+    """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit.
+
+    A failure under MPI leaves the process group up: the caller ends the launch with rendezvous.abort_launch(),
+    and destroy_process_group could wait on a peer that is stopped or stuck in a collective."""
     t0 = time.time()
     ident = rendezvous.identify(cfg.parallel.rendezvous)
+    inject_fault("rendezvous", ident.rank)
     rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
     device = rendezvous.init_distributed(ident, cfg.parallel.backend, cfg.parallel.timeout_s,
                                          cfg.parallel.master_addr, rdzv_dir)
+    failed = False
     try:
         s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank))
         runs.setup_logging(s.run_dir, ident.rank)
@@ -116,6 +138,7 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         })
         try:
             _build_mesh(s)
+            inject_fault("ready", ident.rank)
             yield s
             s.summary["ok"] = True
         except Exception as e:
@@ -126,5 +149,9 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
             s.summary["elapsed_s"] = round(time.time() - t0, 3)
             if ident.rank == 0:
                 runs.write_json(s.run_dir / "summary.json", s.summary)
+    except BaseException:
+        failed = True
+        raise
     finally:
-        dist.destroy_process_group()
+        if not (failed and rendezvous.mpi_running()):
+            dist.destroy_process_group()

@@ -56,7 +56,9 @@ def test_gpu_sbatch_content():
     srun = [i for i, line in enumerate(lines) if line.startswith("srun ")]
     assert len(srun) == 1
     line = lines[srun[0]]
-    assert "--mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit /RUNDIR/submitit" in line
+    # one failed task ends the others at once (user srun_args come after, so they may override it)
+    assert "--kill-on-bad-exit=1 --mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit /RUNDIR/submitit" \
+        in line
     setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5",
                                       "export OMP_NUM_THREADS=8")]
     assert setup == sorted(setup)
@@ -66,7 +68,7 @@ def test_gpu_sbatch_content():
 def test_slurm_parameters_for_gpu_example():
     assert launch.slurm_parameters(load_config(GPU)) == {
         "job_name": "llama-8b", "nodes": 4, "ntasks_per_node": 8, "cpus_per_task": 12, "time": 1440,
-        "signal_delay_s": 300, "srun_args": ["--mpi=pmi2", "--cpu-bind=none"],
+        "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--mpi=pmi2", "--cpu-bind=none"],
         "setup": ["module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5", "export OMP_NUM_THREADS=8"],
         "stderr_to_stdout": False, "partition": "gpu", "account": "myproject", "qos": "normal",
         "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True,
