@@ -8,12 +8,26 @@ Under MPI the ranks agree on node identity by gathering node names (`SLURMD_NODE
 slurmd on one host, else the host name), and rank 0 broadcasts a TCPStore address it has bound. Launchers without
 MPI hand out identity in environment variables (tables below); rank 0 then publishes the store address in a file
 under the shared run directory. torchrun brings its own MASTER_ADDR/MASTER_PORT.
+
+What the rendezvous exposes. Rank 0's TCPStore listens on one address only: parallel.master_addr, else 127.0.0.1
+when the job has one node, else the address this host's name resolves to; the port is one the OS picks. The
+address reaches the other ranks over MPI, or through a file in the run directory created with mode 0600 and
+removed as soon as every rank has connected. Every key of the job lives under a random per-job secret
+(PrefixStore, 128 bits, shared over MPI or inside that file), so a process that connects without it finds none
+of the job's keys by their names, and a stale rank of another job or attempt cannot write into this one.
+What remains: the store has no authentication. Anyone who can reach that address and port while the job runs can
+connect, set unrelated keys, fill the store's memory or hold connections open (denial of service); and because
+TCPStore answers list_keys to any client, a deliberate one can list every key, secret prefix included, then read
+or overwrite the job's keys. gloo's and NCCL's own connections between ranks are unauthenticated too. Keep the
+job's network private and choose the interface with parallel.master_addr. torchrun launches use torchrun's own
+store (MASTER_ADDR/MASTER_PORT, every interface) and are not covered.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -167,19 +181,27 @@ def bind_device(ident: Identity, backend: str):
     return dev
 
 
-def _my_address(ident: Identity, master_addr: str) -> dict[str, str]:
+def _store_address(ident: Identity, master_addr: str) -> str:
+    """Where rank 0's store listens: parallel.master_addr; else loopback when the job has one node; else the
+    address this host's name resolves to."""
     if master_addr:
-        return {"addr": master_addr, "host": ident.host}
+        return master_addr
+    if ident.num_nodes == 1:
+        return "127.0.0.1"
     try:
-        addr = socket.gethostbyname(socket.getfqdn())
+        return socket.gethostbyname(socket.getfqdn())
     except OSError:
-        addr = "127.0.0.1"
-    return {"addr": addr, "host": ident.host}
+        return "127.0.0.1"
 
 
-def _connect_addr(published: dict[str, Any], ident: Identity) -> str:
-    """Ranks on rank 0's own host use loopback; node names like n1 need not resolve."""
-    return "127.0.0.1" if published["host"] == ident.host and not published.get("forced") else published["addr"]
+def _listen(addr: str, master_addr: str) -> socket.socket:
+    """A listening socket bound to addr only (TCPStore itself would listen on every interface)."""
+    try:
+        family = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((addr, 0), family=family, backlog=1024)
+    except OSError as e:
+        raise ValueError(f"rank 0 cannot listen on {addr!r} (parallel.master_addr = {master_addr!r}): {e}; set "
+                         f"parallel.master_addr to an address of this node that the other ranks reach") from None
 
 
 def _rendezvous_file(ident: Identity, directory: Path) -> Path:
@@ -188,8 +210,19 @@ def _rendezvous_file(ident: Identity, directory: Path) -> Path:
     return directory / f"rendezvous-{ident.launcher}-{ident.job_id}-{step}-{attempt}.json"
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Writes path with mode 0600 from its creation (never wider, whatever the umask), through a rename."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # O_EXCL below: a leftover could carry a wider mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # atomic: readers never see half a file
+
+
 def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | None, timeout_s: int) -> dict:
-    """Rank 0's store address to every rank: over MPI when we have it, else through a file."""
+    """Rank 0's store address and the job's secret to every rank: over MPI when we have it, else through a file
+    only the job's user can read (removed by _admit once every rank has connected)."""
     if ident.launcher == "mpi":
         return _mpi_comm().bcast(info, root=0)
     if directory is None:
@@ -197,9 +230,7 @@ def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | Non
     path = _rendezvous_file(ident, directory)
     if ident.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, path)  # atomic: readers never see half a file
+        _write_private(path, json.dumps(info))
         return info
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -207,6 +238,23 @@ def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | Non
             raise TimeoutError(f"rank {ident.rank}: rank 0 did not publish {path} within {timeout_s} s")
         time.sleep(0.1)
     return json.loads(path.read_text())
+
+
+def _admit(ident: Identity, store, directory: Path, timeout_s: int) -> None:
+    """Every rank counts itself in; rank 0 waits for all, then removes the address file."""
+    store.add("joined", 1)
+    if ident.rank != 0:
+        return
+    path = _rendezvous_file(ident, directory)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (joined := store.add("joined", 0)) < ident.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {joined} of {ident.world_size} ranks reached the rendezvous store "
+                                   f"within {timeout_s} s")
+            time.sleep(0.02)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 600, master_addr: str = "",
@@ -231,14 +279,20 @@ def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 60
     info = None
     if ident.rank == 0:
         # Port 0: the OS picks a free port; wait_for_workers=False or we would block before publishing it.
-        store = dist.TCPStore("0.0.0.0", 0, ident.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        info = _my_address(ident, master_addr) | {"port": store.port, "forced": bool(master_addr)}
-    info = _publish(ident, info, Path(rendezvous_dir) if rendezvous_dir else None, timeout_s)
+        addr = _store_address(ident, master_addr)
+        sock = _listen(addr, master_addr)
+        store = dist.TCPStore(addr, sock.getsockname()[1], ident.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.detach())
+        info = {"addr": addr, "port": store.port, "host": ident.host, "secret": secrets.token_hex(16)}
+    rdzv_dir = Path(rendezvous_dir) if rendezvous_dir else None
+    info = _publish(ident, info, rdzv_dir, timeout_s)
     if ident.rank != 0:
-        store = dist.TCPStore(_connect_addr(info, ident), info["port"], ident.world_size, is_master=False,
-                              timeout=timeout)
+        store = dist.TCPStore(info["addr"], info["port"], ident.world_size, is_master=False, timeout=timeout)
     log.info("rank %d: store at %s:%s (%s), backend %s", ident.rank, info["addr"], info["port"], ident.launcher,
              backend)
+    # every key of the job under its secret: a client that connects without it finds none of them by name
+    store = dist.PrefixStore(info["secret"], store)
+    if ident.launcher != "mpi":
+        _admit(ident, store, rdzv_dir, timeout_s)
     dist.init_process_group(store=store, **kwargs)
     return device

@@ -9,6 +9,7 @@ the time until every rank was gone (tests/faults.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -268,3 +269,79 @@ def test_rank_killed_during_startup_ends_slurm_job(slurm_cluster, tmp_path) -> N
     record("SIGKILL of rank 1 during rendezvous (Slurm, 2 nodes x 2 tasks)",
            "srun --kill-on-bad-exit ends the other 3 tasks at once (no rendezvous timeout); submit --wait exits 1",
            gone, "slurm")
+
+
+# --- a stranger at the rendezvous store ---------------------------------------------------------------------
+
+STRANGER = r"""
+import json, re, socket, sys
+from pathlib import Path
+import torch.distributed as dist
+from hpctrain import rendezvous
+
+rdzv = Path(sys.argv[1])
+ident = rendezvous.identify("auto")
+rendezvous.init_distributed(ident, "gloo", 30, "", rdzv)
+dist.barrier()
+if ident.rank == 0:
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # PrefixStores around the TCPStore rank 0 serves
+        store = store.underlying_store
+    keys = store.list_keys()
+    out = {"port": store.port, "host": store.host, "keys": keys, "files": [p.name for p in rdzv.iterdir()]}
+    # the names the job's keys would have without a job secret in front of them
+    plain = [k.split("/", 1)[1] for k in keys if re.match(r"[0-9a-f]{32}/", k)] or keys
+    stranger = dist.TCPStore(store.host, store.port, is_master=False, timeout=__import__("datetime").timedelta(5))
+    out["stranger_finds"] = [k for k in plain if stranger.check([k])]
+    out["stranger_lists"] = stranger.list_keys()
+    out["other_addr"], out["other_addr_connects"] = sys.argv[2], None
+    try:
+        socket.create_connection((sys.argv[2], store.port), timeout=3).close()
+        out["other_addr_connects"] = True
+    except OSError as e:
+        out["other_addr_connects"] = f"{type(e).__name__}: {e}"
+    print("STRANGER " + json.dumps(out), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _other_local_address() -> str:
+    """An address of this host other than the 127.0.0.1 the store is published on: the first non-loopback IPv4
+    address if there is one, else 127.0.0.2 (all of 127/8 is local, but a socket bound to 127.0.0.1 does not
+    answer there)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    addrs = [a for a in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)", out) if not a.startswith("127.")]
+    return addrs[0] if addrs else "127.0.0.2"
+
+
+@pytest.mark.parametrize("launcher", ["file", pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_stranger_at_the_store_finds_nothing(launcher, tmp_path, request) -> None:
+    """One job of 2 ranks on one node (the store published on 127.0.0.1). A process outside the job that
+    connects to the published port finds none of the job's keys under their plain names (they sit under the
+    job's secret); the store does not answer on another address of this host; the address file is gone."""
+    other = _other_local_address()
+    cmd = [sys.executable, "-c", STRANGER, str(tmp_path), other]
+    if launcher == "mpi":
+        request.getfixturevalue("mpiexec")
+        runs = [Launch([tool("mpiexec"), "-n", "2", *cmd])]
+    else:
+        runs = [Launch(cmd, {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                             "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": "stranger"})
+                for r in range(2)]
+    for run in runs:
+        run.proc.wait(timeout=120)
+        run.kill([])
+    out = runs[0].output
+    assert all(run.proc.returncode == 0 for run in runs), out + runs[-1].output
+    found = json.loads(out.split("STRANGER ", 1)[1].splitlines()[0])
+    assert found["host"] == "127.0.0.1" and found["keys"], found
+    assert all(re.match(r"[0-9a-f]{32}/", k) for k in found["keys"]), found["keys"]
+    assert found["stranger_finds"] == [], found
+    # the exposure rendezvous.py documents: TCPStore lists every key, prefix included, to any client
+    assert sorted(found["stranger_lists"]) == sorted(found["keys"]), found
+    assert found["other_addr_connects"] is not True, found
+    assert found["files"] == [], found  # the address file (launchers without MPI) was removed after start-up
+    record(f"a process outside the job connects to the rendezvous store ({launcher} rendezvous)",
+           f"none of the job's {len(found['keys'])} keys under their plain names; no answer on {other}; "
+           "address file gone", None, "mpi" if launcher == "mpi" else "unit")

@@ -5,7 +5,9 @@ environment: no MPI, no torch.distributed.
 """
 from __future__ import annotations
 
+import os
 import socket
+import stat
 
 import pytest
 
@@ -134,3 +136,21 @@ def test_non_numeric_variable_is_named():
            "SLURM_NNODES": "1"}
     with pytest.raises(ValueError, match="SLURM_PROCID = 'zero' is not an integer"):
         identity_from_env("slurm", env)
+
+
+# --- the address file (launchers without MPI) ---------------------------------------------------------------
+
+def test_address_file_is_private_from_creation(tmp_path):
+    """Created 0600 even under umask 0 (os.open with the mode, not a chmod after), and readable by the others."""
+    from hpctrain import rendezvous
+
+    info = {"addr": "127.0.0.1", "port": 4242, "host": "h", "secret": "0" * 32}
+    ranks = [Identity(r, 2, r, 0, "n", 1, "slurm", "77", "h") for r in range(2)]
+    old = os.umask(0)
+    try:
+        assert rendezvous._publish(ranks[0], info, tmp_path, 5) == info
+    finally:
+        os.umask(old)
+    (path,) = tmp_path.glob("rendezvous-*")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert rendezvous._publish(ranks[1], None, tmp_path, 5) == info

@@ -18,6 +18,7 @@ def test_local_executor_completes(tmp_path) -> None:
     job = json.loads((run_dir / "job.json").read_text())
     assert job["executor"] == "local" and job["job_id"] == s["job_id"]
     assert (run_dir / "config.toml").read_text().startswith("[job]")
+    assert not list(run_dir.glob("rendezvous-*"))  # the store's address file is removed once all ranks joined
     assert "all-reduce checks passed" in out.stdout  # --wait echoes rank 0's log
 
 
