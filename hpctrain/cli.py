@@ -126,6 +126,9 @@ def _submit(cfg: Config, wait: bool, argv=None) -> Path:
 @user_errors
 def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
     """Run one rank of the job (under mpiexec, srun, torchrun, or alone)."""
+    from hpctrain import preempt
+
+    preempt.process_flag()  # before anything slow: USR2/TERM during start-up is kept for the first step
     from hpctrain import train as train_mod
 
     cfg = _load(config, overrides)

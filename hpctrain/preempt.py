@@ -1,9 +1,13 @@
 """Preemption: Slurm's warning signal (USR2, as submitit asks sbatch for; SIGTERM where sites send that) sets a
 flag; the ranks agree on it at the next step boundary with one all-reduce, save, and rank 0 requeues the job.
 
-    flag = PreemptionFlag()            # installs the handlers (replacing submitit's USR2 handler)
+    flag = process_flag()              # first thing in the rank: installs the handlers (replacing submitit's)
     stop, save_now, writing = flag.poll()   # collective: every rank calls it after the same step
     if stop: ...save, then requeue()...
+
+The flag is the process's, installed before torch is even imported (this module imports it only to poll): a
+signal during imports, rendezvous, model build or resume is kept for the trainer's first poll instead of killing
+the rank. session.start hands it to the payload as Session.preempt.
 """
 from __future__ import annotations
 
@@ -11,21 +15,31 @@ import logging
 import os
 import signal
 import subprocess
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+_process_flag: PreemptionFlag | None = None
 
 
 class PreemptionFlag:
     def __init__(self, signals=SIGNALS) -> None:
         self.received: int | None = None
-        self.previous = {}
-        for sig in signals:
-            self.previous[sig] = signal.signal(sig, self._handler)
+        self.signals = signals
+        self.previous: dict[int, Any] = {}
+        self.install()
+
+    def install(self) -> None:
+        """Takes the signals (again, after a restore() or another handler took them)."""
+        for sig in self.signals:
+            current = signal.getsignal(sig)
+            if current != self._handler:
+                self.previous[sig] = current
+                signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
         # only set a flag: saving inside a signal handler could interleave with a collective in flight
@@ -39,6 +53,9 @@ class PreemptionFlag:
         """(stop, save_now, writing_anywhere), the same on every rank: stop once any rank got a signal, save
         when any rank was asked to, and whether any rank's background save is still writing. Collective:
         every rank calls it after the same step."""
+        import torch
+        import torch.distributed as dist
+
         t = torch.tensor([float(self.received is not None), float(save_requested), float(writing)], device=device)
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -47,6 +64,20 @@ class PreemptionFlag:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+    def clear(self) -> None:
+        """Forgets a signal that was acted on (a process that runs several sessions in turn starts each clean)."""
+        self.received = None
+
+
+def process_flag() -> PreemptionFlag:
+    """The process's flag, installed on the first call (signal handlers belong to the whole process): the
+    `train` command calls it before anything else, session.start again for other entry points."""
+    global _process_flag
+    if _process_flag is None:
+        _process_flag = PreemptionFlag()
+    _process_flag.install()
+    return _process_flag
 
 
 def requeue() -> str:

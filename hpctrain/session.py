@@ -1,8 +1,11 @@
 """Start and stop of every job's ranks: rendezvous, the run directory, the topology-checked mesh and its
 checked all-reduce, and rank 0's summary.json. Payloads (training, benchmarks) run inside:
 
-    with session.start(cfg, run_dir) as s:     # s.ident, s.device, s.mesh, s.run_dir, s.summary
+    with session.start(cfg, run_dir) as s:     # s.ident, s.device, s.mesh, s.run_dir, s.summary, s.preempt
         s.summary["payload"] = do_work(s.mesh)
+
+s.preempt is the process's PreemptionFlag, installed before the rendezvous (the `train` command installs it even
+earlier): a USR2/TERM during start-up waits there for the payload's first poll.
 
 Every rank sees the same gathered identities, so a refused layout is refused on all ranks alike (no hang).
 """
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from hpctrain import mesh, rendezvous, runs
 from hpctrain.config import Config, dump_toml
+from hpctrain.preempt import PreemptionFlag, process_flag
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ class Session:
     run_dir: Path
     mesh: mesh.Mesh | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    preempt: PreemptionFlag = field(default_factory=process_flag)  # poll it at step boundaries
 
     @property
     def rank(self) -> int:
@@ -119,6 +124,7 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
     A failure under MPI leaves the process group up: the caller ends the launch with rendezvous.abort_launch(),
     and destroy_process_group could wait on a peer that is stopped or stuck in a collective."""
     t0 = time.time()
+    flag = process_flag()  # first: a preemption signal from here on is kept, not fatal
     ident = rendezvous.identify(cfg.parallel.rendezvous)
     inject_fault("rendezvous", ident.rank)
     rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
@@ -126,7 +132,8 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
                                          cfg.parallel.master_addr, rdzv_dir)
     failed = False
     try:
-        s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank))
+        s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank),
+                    preempt=flag)
         runs.setup_logging(s.run_dir, ident.rank)
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",
                  ident.rank, ident.world_size, ident.node_name, ident.local_rank, ident.node_index,
@@ -153,5 +160,6 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         failed = True
         raise
     finally:
+        flag.clear()  # acted on by this session's payload, or by nobody
         if not (failed and rendezvous.mpi_running()):
             dist.destroy_process_group()

@@ -271,6 +271,41 @@ def test_rank_killed_during_startup_ends_slurm_job(slurm_cluster, tmp_path) -> N
            gone, "slurm")
 
 
+@pytest.mark.slurm
+def test_raising_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
+    """Rank 1 raises once the mesh is up: MPI_Abort through srun's PMI2 ends the four tasks at once, and
+    submit --wait reports rank 1's error from the result it left, without waiting job.wait_timeout_s (120 s)."""
+    root = tmp_path / "runs"
+    launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
+                     *_sets(f"job.run_root={root}", "parallel.timeout_s=60", "job.wait_timeout_s=120", *SMALL)],
+                    {"HPCTRAIN_FAULT": "raise:1:ready"})
+    pids: dict[int, int] = {}
+    job_id = None
+    try:
+        launch.wait_for(r"submitted job \d+", 60)
+        job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
+        err = f"{root}/*/submitit/{job_id}_1_log.err"
+        t0 = time.monotonic()
+        while not _file_has(err, "HPCTRAIN_FAULT"):
+            assert time.monotonic() - t0 < 120, "rank 1 never reached the fault"
+            pids |= _rank_pids(b"SLURM_PROCID", str(root))
+            time.sleep(0.05)
+        t_fault = time.monotonic()
+        gone = _wait_gone(list(pids.values()), 40)
+        launch.proc.wait(timeout=60)
+        reported = time.monotonic() - t_fault
+    finally:
+        if job_id and launch.proc.poll() is None:
+            subprocess.run(["scancel", job_id], timeout=20)
+        launch.kill(list(pids.values()))
+    assert len(pids) == 4 and gone is not None and gone < 10, (pids, gone, launch.output[-3000:])
+    assert launch.proc.returncode == 1 and reported < 30, (reported, launch.output[-3000:])
+    assert "injected failure on rank 1 at ready" in launch.output
+    record("exception on rank 1 after start-up (Slurm, 2 nodes x 2 tasks)",
+           f"MPI_Abort ends the 4 tasks; submit --wait exits 1 with rank 1's error after {reported:.0f} s",
+           gone, "slurm")
+
+
 # --- a stranger at the rendezvous store ---------------------------------------------------------------------
 
 STRANGER = r"""
@@ -345,3 +380,50 @@ def test_stranger_at_the_store_finds_nothing(launcher, tmp_path, request) -> Non
     record(f"a process outside the job connects to the rendezvous store ({launcher} rendezvous)",
            f"none of the job's {len(found['keys'])} keys under their plain names; no answer on {other}; "
            "address file gone", None, "mpi" if launcher == "mpi" else "unit")
+
+
+# --- preemption signals during start-up ---------------------------------------------------------------------
+
+def test_preemption_flag_before_torch() -> None:
+    """The process's flag installs without importing torch (the `train` command installs it first thing), is
+    the same object on every call, and flags USR2 and TERM instead of dying of them."""
+    code = """
+import os, signal, sys
+from hpctrain import preempt
+flag = preempt.process_flag()
+assert "torch" not in sys.modules, "preempt imported torch"
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGUSR2)
+assert preempt.process_flag() is flag and flag.received == signal.SIGUSR2, flag.received
+assert flag.poll() == (True, False, False)  # no torch.distributed: this rank's own verdict
+print("FLAGGED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0 and "FLAGGED" in out.stdout, out.stdout + out.stderr
+    record("USR2 and TERM to a process that installed the preemption flag (no torch imported)",
+           "flagged, process lives on", None, "unit")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sig, rank, point", [("SIGUSR2", 1, "rendezvous"), ("SIGTERM", 0, "ready")])
+def test_preemption_during_startup(mpiexec, tmp_path, sig, rank, point) -> None:
+    """A preemption signal to one rank before training starts (during the rendezvous, or once the mesh is up and
+    the model is about to be built): no rank dies of it; the ranks agree to stop before the first step, and
+    rank 0 asks for the requeue; no traceback anywhere."""
+    root = tmp_path / "runs"
+    launch = Launch(_mpi_train(root, "train.steps=20"), {"HPCTRAIN_FAULT": f"{sig}:{rank}:{point}"})
+    try:
+        launch.proc.wait(timeout=120)
+    finally:
+        launch.kill([])
+    out = launch.output
+    assert launch.proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out
+    (run,) = root.iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    train = summary["train"]
+    assert summary["ok"] and train["preempted"] and train["steps"] == 0, summary
+    assert train["requeue"] == "not a Slurm job: nothing to requeue (rerun the same command to resume)"
+    assert f"received {sig}" in (run / "logs" / f"rank{rank:05d}.log").read_text() + out
+    record(f"{sig} to rank {rank} during start-up ({point}; mpiexec -n 2)",
+           "flagged; both ranks stop before the first step, rank 0 requeues; exit 0, no traceback", None, "mpi")
