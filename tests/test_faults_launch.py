@@ -31,6 +31,24 @@ SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.log
          "checkpoint.at_end=false"]
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_shm():
+    """MPICH removes its shared-memory segments at MPI_Finalize; MPI_Abort and SIGKILL leave them in /dev/shm
+    (2 MB per node each). Remove those this test's launches left: new, and mapped by no live process."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpich_shm_*"))
+    yield
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped |= {line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line}
+        except OSError:
+            continue
+    for left in set(shm.glob("mpich_shm_*")) - before:
+        if str(left) not in mapped:
+            left.unlink(missing_ok=True)
+
+
 def _sets(*sets: str) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
