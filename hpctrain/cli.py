@@ -160,6 +160,7 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
 @click.option("--run-dir", default=None, type=click.Path(file_okay=False))
 @click.option("--submit", "do_submit", is_flag=True, help="Submit as a job (Slurm, else local) with CONFIG's shape.")
 @click.option("--wait", is_flag=True, help="With --submit: follow the job and print the table.")
+@ends_launch_on_error
 @user_errors
 def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check, datatype, op, root, group,
           backend, algo, json_path, plot_path, gemm_size, seed, inject_wrong, config, overrides, run_dir,

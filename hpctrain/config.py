@@ -124,7 +124,8 @@ class ParallelConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_s: int = 600  # collective and rendezvous timeout
     rendezvous: str = "auto"  # auto | mpi | slurm | submitit | torchrun | single
-    master_addr: str = ""  # address rank 0 publishes; empty: 127.0.0.1 on one host, else its host name
+    master_addr: str = ""  # where rank 0's store listens (bound to it only); empty: 127.0.0.1 for a one-node
+    #                        job, else the address the host name resolves to
     zero_stage: int = 0  # 0 DDP, 1 + optimizer state sharded, 2 + gradients (FSDP2), 3 + parameters (FSDP2)
     sequence_parallel: bool = False  # shard norms and residuals along the sequence inside the tp group
     loss_parallel: bool = True  # keep logits vocab-sharded into the cross-entropy (tp > 1)

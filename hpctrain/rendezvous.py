@@ -229,8 +229,12 @@ def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | Non
         raise ValueError(f"launcher {ident.launcher!r} without MPI needs a shared run directory for rendezvous")
     path = _rendezvous_file(ident, directory)
     if ident.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_private(path, json.dumps(info))
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_private(path, json.dumps(info))
+        except OSError as e:  # e.g. job.run_root is a file: a clear error (the other ranks end with the launch)
+            raise ValueError(f"cannot publish the rendezvous address in {directory} (under job.run_root): "
+                             f"{e.strerror or e}") from None
         return info
     deadline = time.monotonic() + timeout_s
     while not path.exists():

@@ -47,14 +47,20 @@ class Session:
 
 
 def _agree_run_dir(cfg: Config, run_dir: Path | None, rank: int) -> Path:
-    """Direct launches get a fresh run directory made by rank 0 and broadcast to all."""
+    """Direct launches get a fresh run directory made by rank 0 and broadcast to all; a failure on rank 0 (a bad
+    job.run_root) is broadcast instead, so every rank raises it rather than waiting in the broadcast."""
     if run_dir is not None:
         return run_dir
     box: list[Any] = [None]
     if rank == 0:
-        box[0] = runs.new_run_dir(cfg.job.run_root, cfg.job.name)
-        (box[0] / "config.toml").write_text(dump_toml(cfg))
+        try:
+            box[0] = runs.new_run_dir(cfg.job.run_root, cfg.job.name)
+            (box[0] / "config.toml").write_text(dump_toml(cfg))
+        except (ValueError, OSError) as e:
+            box[0] = str(e)
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
     return box[0]
 
 

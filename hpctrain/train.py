@@ -204,8 +204,7 @@ class Trainer:
         t = self.cfg.train
         rank0 = self.s.rank == 0
         world = dist.get_world_size()
-        # installed at process start (session), so a signal during start-up or the resume is not lost
-        flag = getattr(self.s, "preempt", None) or preempt.PreemptionFlag()
+        flag = self.s.preempt  # installed at process start, so a signal during start-up or the resume is kept
         resumed = self.resume(mgr)
         profiler = self._profiler()
         last: dict[str, Any] = {}
@@ -253,7 +252,6 @@ class Trainer:
         mgr.wait()
         if not preempted and self.cfg.checkpoint.at_end and self.step > (resumed or 0):
             self.save(mgr)
-        flag.restore()
         mlog.close()
         out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
                "peak_tflops": peak, "tokens_seen": self.tokens_seen, "resumed_from": resumed,
