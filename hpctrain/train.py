@@ -196,9 +196,9 @@ class Trainer:
         peak = t.peak_tflops or metrics.measured_peak_tflops(self.device, parallelize.DTYPES[t.precision])
         mgr = CheckpointManager(self.cfg.checkpoint, self.s.run_dir, self.s.rank)
         try:
-            return self._fit(mgr, mlog, peak)
+            return self._fit(mgr, mlog, peak)  # waits for its own saves
         finally:
-            mgr.close()
+            mgr.close()  # the directory lock
 
     def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog, peak: float) -> dict[str, Any]:
         t = self.cfg.train

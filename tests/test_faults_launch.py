@@ -234,13 +234,15 @@ def test_stopped_rank_without_mpi_exits_nonzero(tmp_path) -> None:
            f"rank 0's collective times out ({TIMEOUT_S} s) and it exits 1; teardown does not hang", gone, "unit")
 
 
-def _slurm_kill(tmp_path: Path, when: str) -> tuple[float | None, Launch]:
-    """hpctrain submit --wait on the 2-node cluster; rank 1 is SIGKILLed mid-training (from here) or during
+def _slurm_kill(tmp_path: Path, when: str, sig: signal.Signals = signal.SIGKILL,
+                timeout_s: int = 60) -> tuple[float | None, Launch]:
+    """hpctrain submit --wait on the 2-node cluster; rank 1 gets `sig` mid-training (from here) or SIGKILL during
     start-up (the hook). Returns the seconds until the four tasks were gone, and the finished submit."""
     root = tmp_path / "runs"
     hook = {"HPCTRAIN_FAULT": "SIGKILL:1:rendezvous"} if when == "startup" else {}
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
-                     *_sets(f"job.run_root={root}", "parallel.timeout_s=60", "job.wait_timeout_s=5", *SMALL)], hook)
+                     *_sets(f"job.run_root={root}", f"parallel.timeout_s={timeout_s}", "job.wait_timeout_s=5",
+                            *SMALL)], hook)
     pids: dict[int, int] = {}
     gone = job_id = None
     try:
@@ -256,8 +258,8 @@ def _slurm_kill(tmp_path: Path, when: str) -> tuple[float | None, Launch]:
         else:
             launch.wait_for(r"step 2/", 180)
             pids = _wait_for_pids(b"SLURM_PROCID", str(root), 4)
-            os.kill(pids[1], signal.SIGKILL)
-        gone = _wait_gone(list(pids.values()), 40)
+            os.kill(pids[1], sig)
+        gone = _wait_gone(list(pids.values()), timeout_s + 40)
         launch.proc.wait(timeout=60)
     finally:
         if job_id and (launch.proc.poll() is None or gone is None):
@@ -275,6 +277,18 @@ def test_killed_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
     assert launch.proc.returncode == 1, launch.output[-3000:]
     record("SIGKILL of rank 1 during training (Slurm, 2 nodes x 2 tasks)",
            "the other 3 tasks end at once; submit --wait exits 1", gone, "slurm")
+
+
+@pytest.mark.slurm
+def test_stopped_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
+    """SIGSTOP of rank 1 mid-training: its peers' collective times out after parallel.timeout_s, they abort,
+    and srun ends the step, the stopped task included (SIGKILL works on a stopped process)."""
+    gone, launch = _slurm_kill(tmp_path, "training", signal.SIGSTOP, timeout_s=TIMEOUT_S)
+    assert gone is not None and gone < TIMEOUT_S + 15, f"tasks alive {gone} s after SIGSTOP:\n{launch.output[-3000:]}"
+    assert launch.proc.returncode == 1, launch.output[-3000:]
+    record("SIGSTOP of rank 1 during training (Slurm, 2 nodes x 2 tasks)",
+           f"the peers' collective times out ({TIMEOUT_S} s), MPI_Abort and srun end all 4 tasks; submit --wait "
+           f"exits 1", gone, "slurm")
 
 
 @pytest.mark.slurm

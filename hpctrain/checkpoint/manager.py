@@ -6,7 +6,7 @@ job writes a checkpoint directory at a time (lock.py); a load verifies everythin
     mgr = CheckpointManager(cfg.checkpoint, run_dir, rank)          # collective: rank 0 takes the directory lock
     mgr.save(step, {"model": ..., "optimizer": ...}, extra_json={...}, provenance={...})
     step, extra, state = mgr.load_latest(make_state)  # None when nothing is committed; NoUsableCheckpoint when
-    mgr.close()                                        # checkpoints exist and none loads (never a silent restart)
+    mgr.wait(); mgr.close()                            # checkpoints exist and none loads (never a silent restart)
 
 `state` maps names to torch.distributed.checkpoint Stateful objects or tensors; DCP plans the shards, the HDF5
 storage (hdf5_storage.py) writes one file per rank. `extra_json` is small control state (step, scheduler, data
@@ -193,13 +193,11 @@ class CheckpointManager:
         return lock
 
     def close(self) -> None:
-        """Finishes the save in flight and gives the directory back."""
-        try:
-            self.wait()
-        finally:
-            if self.lock is not None:
-                self.lock.release()
-                self.lock = None
+        """Gives the directory back. A save still in flight is abandoned, never committed: call wait() first to
+        finish it (not on an error path, where its commit barrier could wait on a rank that is gone)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # -- saving -------------------------------------------------------------------------------------------
     def _prepare(self, step: int, need_bytes: int) -> Path:
