@@ -77,6 +77,7 @@ class JobConfig:
     account: str = ""
     qos: str = ""
     constraint: str = ""
+    wckey: str = ""  # empty: no --wckey line (submitit's default "submitit" is refused where wckeys are enforced)
     exclusive: bool = False
     signal_delay_s: int = 120  # USR2 arrives this long before the time limit
     sbatch_extra: list[str] = field(default_factory=list)  # e.g. ["--mail-type=END", "--reservation=x"]

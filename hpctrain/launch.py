@@ -126,6 +126,8 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
         "job_name": j.name, "nodes": j.nodes, "ntasks_per_node": j.tasks_per_node,
         "cpus_per_task": j.cpus_per_task, "time": j.time_min, "signal_delay_s": j.signal_delay_s,
         "srun_args": ["--kill-on-bad-exit=1", *j.srun_args], "setup": list(j.setup), "stderr_to_stdout": False,
+        # None, not "": submitit writes --wckey=submitit by default and --wckey='' for an empty string
+        "wckey": j.wckey or None,
     }
     optional = {"partition": j.partition, "account": j.account, "qos": j.qos, "constraint": j.constraint,
                 "gpus_per_node": j.gpus_per_node or None, "exclusive": j.exclusive or None,

@@ -70,7 +70,7 @@ def test_slurm_parameters_for_gpu_example():
         "job_name": "llama-8b", "nodes": 4, "ntasks_per_node": 8, "cpus_per_task": 12, "time": 1440,
         "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--mpi=pmi2", "--cpu-bind=none"],
         "setup": ["module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5", "export OMP_NUM_THREADS=8"],
-        "stderr_to_stdout": False, "partition": "gpu", "account": "myproject", "qos": "normal",
+        "stderr_to_stdout": False, "wckey": None, "partition": "gpu", "account": "myproject", "qos": "normal",
         "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True,
         "additional_parameters": {"mail-type": "END,FAIL", "requeue": True},
     }
@@ -79,7 +79,8 @@ def test_slurm_parameters_for_gpu_example():
 def test_slurm_parameters_omit_empty_optional_fields():
     params = launch.slurm_parameters(load_config(TINY))
     assert set(params) == {"job_name", "nodes", "ntasks_per_node", "cpus_per_task", "time", "signal_delay_s",
-                           "srun_args", "setup", "stderr_to_stdout", "additional_parameters"}
+                           "srun_args", "setup", "stderr_to_stdout", "wckey", "additional_parameters"}
+    assert params["wckey"] is None  # None, not "": submitit would write --wckey=submitit or --wckey=''
     assert params["additional_parameters"] == {"requeue": True}  # preemption requeues the job
     assert (params["nodes"], params["ntasks_per_node"], params["time"]) == (2, 2, 20)
     text = launch.render_sbatch(load_config(TINY), FOLDER, python="python3")
@@ -156,3 +157,15 @@ def test_missing_config_file_exits_2(tmp_path):
 def test_fractional_memory_becomes_whole_megabytes():
     # sbatch refuses --mem=1.5GB: whole units only
     assert launch.slurm_parameters(load_config(TINY, ["job.mem_gb=1.5"]))["mem"] == "1536MB"
+
+
+# --- issue 12: what real sites refuse or mis-run ----------------------------------------------------------
+
+def test_no_wckey_unless_configured():
+    # submitit 1.5 writes --wckey=submitit by default, and --wckey='' for wckey=""; sites that enforce wckeys
+    # reject both. No line at all unless job.wckey is set.
+    for cfg in (load_config(TINY), load_config(GPU)):
+        text = launch.render_sbatch(cfg, FOLDER, python="python3")
+        assert "--wckey" not in text, text
+    text = launch.render_sbatch(load_config(TINY, ["job.wckey=proj_a"]), FOLDER, python="python3")
+    assert "#SBATCH --wckey=proj_a" in text.splitlines()
