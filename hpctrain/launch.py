@@ -119,13 +119,19 @@ def check_cluster(cfg: Config) -> None:
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
     """[job] -> submitit SlurmExecutor parameters (sbatch option names).
 
-    srun gets --kill-on-bad-exit=1 first (job.srun_args may override it): a task that dies or exits non-zero ends
-    the others at once, instead of leaving them in a collective until parallel.timeout_s."""
+    srun gets, before job.srun_args (which may override them):
+    --kill-on-bad-exit=1: a task that dies or exits non-zero ends the others at once, instead of leaving them in a
+      collective until parallel.timeout_s;
+    --cpus-per-task: srun of Slurm 22.05-23.02 does not inherit it from sbatch and gives each task one CPU. On the
+      srun line rather than SRUN_CPUS_PER_TASK in the setup lines: every srun version reads the option (only
+      22.05+ read the variable), it shows in the script next to the #SBATCH line it repeats, and it reaches
+      this one step only, not other sruns the setup lines may run."""
     j = cfg.job
     params: dict[str, Any] = {
         "job_name": j.name, "nodes": j.nodes, "ntasks_per_node": j.tasks_per_node,
         "cpus_per_task": j.cpus_per_task, "time": j.time_min, "signal_delay_s": j.signal_delay_s,
-        "srun_args": ["--kill-on-bad-exit=1", *j.srun_args], "setup": list(j.setup), "stderr_to_stdout": False,
+        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={j.cpus_per_task}", *j.srun_args],
+        "setup": list(j.setup), "stderr_to_stdout": False,
         # None, not "": submitit writes --wckey=submitit by default and --wckey='' for an empty string
         "wckey": j.wckey or None,
     }

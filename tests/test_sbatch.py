@@ -57,8 +57,8 @@ def test_gpu_sbatch_content():
     assert len(srun) == 1
     line = lines[srun[0]]
     # one failed task ends the others at once (user srun_args come after, so they may override it)
-    assert "--kill-on-bad-exit=1 --mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit /RUNDIR/submitit" \
-        in line
+    assert "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit " \
+        "/RUNDIR/submitit" in line
     setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5",
                                       "export OMP_NUM_THREADS=8")]
     assert setup == sorted(setup)
@@ -68,7 +68,8 @@ def test_gpu_sbatch_content():
 def test_slurm_parameters_for_gpu_example():
     assert launch.slurm_parameters(load_config(GPU)) == {
         "job_name": "llama-8b", "nodes": 4, "ntasks_per_node": 8, "cpus_per_task": 12, "time": 1440,
-        "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--mpi=pmi2", "--cpu-bind=none"],
+        "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--mpi=pmi2",
+                                               "--cpu-bind=none"],
         "setup": ["module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5", "export OMP_NUM_THREADS=8"],
         "stderr_to_stdout": False, "wckey": None, "partition": "gpu", "account": "myproject", "qos": "normal",
         "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True,
@@ -169,3 +170,14 @@ def test_no_wckey_unless_configured():
         assert "--wckey" not in text, text
     text = launch.render_sbatch(load_config(TINY, ["job.wckey=proj_a"]), FOLDER, python="python3")
     assert "#SBATCH --wckey=proj_a" in text.splitlines()
+
+
+def srun_line(cfg) -> str:
+    (line,) = [x for x in launch.render_sbatch(cfg, FOLDER, python="python3").splitlines() if x.startswith("srun ")]
+    return line
+
+
+def test_srun_gets_cpus_per_task():
+    # Slurm 22.05-23.02: srun does not inherit --cpus-per-task from sbatch, so each task would get one CPU
+    assert " --cpus-per-task=12 " in srun_line(load_config(GPU))
+    assert " --cpus-per-task=3 " in srun_line(load_config(TINY, ["job.cpus_per_task=3"]))
