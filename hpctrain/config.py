@@ -71,7 +71,7 @@ class JobConfig:
     tasks_per_node: int = 1  # ranks per node: one per GPU
     gpus_per_node: int = 0
     cpus_per_task: int = 1
-    mem_gb: float = 0.0  # per node; 0 leaves the site default
+    mem_gb: float = 0.0  # per node; 0: the site default, or with exclusive all of the node's (--mem=0)
     time_min: int = 60
     partition: str = ""
     account: str = ""

@@ -137,17 +137,19 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
     }
     optional = {"partition": j.partition, "account": j.account, "qos": j.qos, "constraint": j.constraint,
                 "gpus_per_node": j.gpus_per_node or None, "exclusive": j.exclusive or None,
-                "mem": _sbatch_mem(j.mem_gb),
+                "mem": _sbatch_mem(j.mem_gb, j.exclusive),
                 # --requeue: preemption requeues the job itself (sites may default to JobRequeue=0)
                 "additional_parameters": {"requeue": True} | j.sbatch_extra_dict()}
     params.update({k: v for k, v in optional.items() if v})
     return params
 
 
-def _sbatch_mem(mem_gb: float) -> str | None:
-    """sbatch takes whole units only: 64 -> '64GB', 1.5 -> '1536MB'; 0 -> None (site default)."""
+def _sbatch_mem(mem_gb: float, exclusive: bool) -> str | None:
+    """sbatch takes whole units only: 64 -> '64GB', 1.5 -> '1536MB'. 0 -> None (the site default), or '0' on
+    exclusive nodes: sites often default to DefMemPerCPU x the CPUs asked for, a fraction of a node that is
+    all ours, and --mem=0 means all of each node's memory."""
     if not mem_gb:
-        return None
+        return "0" if exclusive else None
     return f"{int(mem_gb)}GB" if mem_gb == int(mem_gb) else f"{round(mem_gb * 1024)}MB"
 
 

@@ -52,7 +52,7 @@ def test_gpu_sbatch_content():
                      "--exclusive", "--signal=USR2@300", "--time=1440", "--job-name=llama-8b",
                      "--mail-type=END,FAIL", "--requeue", f"--output={FOLDER}/%j_0_log.out"):
         assert f"#SBATCH {expected}" in directives, expected
-    assert not any(d.startswith("#SBATCH --mem") for d in directives)  # mem_gb = 0: site default
+    assert "#SBATCH --mem=0" in directives  # exclusive with mem_gb = 0: all of each node's memory
     srun = [i for i, line in enumerate(lines) if line.startswith("srun ")]
     assert len(srun) == 1
     line = lines[srun[0]]
@@ -72,7 +72,7 @@ def test_slurm_parameters_for_gpu_example():
                                                "--cpu-bind=none"],
         "setup": ["module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5", "export OMP_NUM_THREADS=8"],
         "stderr_to_stdout": False, "wckey": None, "partition": "gpu", "account": "myproject", "qos": "normal",
-        "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True,
+        "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True, "mem": "0",
         "additional_parameters": {"mail-type": "END,FAIL", "requeue": True},
     }
 
@@ -88,10 +88,6 @@ def test_slurm_parameters_omit_empty_optional_fields():
     for option in ("--partition", "--account", "--qos", "--constraint", "--gpus", "--exclusive", "--mem"):
         assert f"#SBATCH {option}" not in text
     assert "#SBATCH --requeue" in text
-
-
-def test_slurm_parameters_mem():
-    assert launch.slurm_parameters(load_config(TINY, ["job.mem_gb=64"]))["mem"] == "64GB"
 
 
 # --- the CLI ----------------------------------------------------------------------------------------------
@@ -155,11 +151,6 @@ def test_missing_config_file_exits_2(tmp_path):
     assert "absent.toml" in res.output
 
 
-def test_fractional_memory_becomes_whole_megabytes():
-    # sbatch refuses --mem=1.5GB: whole units only
-    assert launch.slurm_parameters(load_config(TINY, ["job.mem_gb=1.5"]))["mem"] == "1536MB"
-
-
 # --- issue 12: what real sites refuse or mis-run ----------------------------------------------------------
 
 def test_no_wckey_unless_configured():
@@ -181,3 +172,16 @@ def test_srun_gets_cpus_per_task():
     # Slurm 22.05-23.02: srun does not inherit --cpus-per-task from sbatch, so each task would get one CPU
     assert " --cpus-per-task=12 " in srun_line(load_config(GPU))
     assert " --cpus-per-task=3 " in srun_line(load_config(TINY, ["job.cpus_per_task=3"]))
+
+
+@pytest.mark.parametrize("overrides, mem", [
+    ([], None),                                            # shared nodes, no mem_gb: the site's default
+    (["job.exclusive=true"], "0"),                         # whole nodes: all of their memory, not the default share
+    (["job.exclusive=true", "job.mem_gb=64"], "64GB"),     # an explicit size wins
+    (["job.mem_gb=1.5"], "1536MB"),                       # sbatch refuses --mem=1.5GB: whole units only
+])
+def test_mem_rendered(overrides, mem):
+    cfg = load_config(TINY, overrides)
+    assert launch.slurm_parameters(cfg).get("mem") == mem
+    lines = launch.render_sbatch(cfg, FOLDER, python="python3").splitlines()
+    assert [x for x in lines if x.startswith("#SBATCH --mem")] == ([f"#SBATCH --mem={mem}"] if mem else [])
