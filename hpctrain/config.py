@@ -207,7 +207,8 @@ class TrainConfig:
     ac_every: int = 2  # with ac = "every": checkpoint blocks 0, k, 2k, ...
     log_every: int = 10
     profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
-    peak_tflops: float = 0.0  # per-rank peak for MFU; 0: measure with the GEMM probe at start
+    peak_tflops: float = 0.0  # per-rank peak for MFU; 0: a recognised GPU's datasheet figure, else the GEMM probe's
+    tf32: bool = True  # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs)
     resume: str = "auto"  # auto: newest committed checkpoint of the run, if any | none | a checkpoint directory
 
     def __post_init__(self) -> None:

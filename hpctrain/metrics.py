@@ -1,29 +1,135 @@
 """Training metrics on rank 0: JSON lines in the run directory, a one-line progress display, TensorBoard
-when it is installed. Throughput is tokens/s, TFLOP/s per rank and MFU against a peak (configured, or the
-GEMM probe's measured rate); memory is CUDA's peak allocation on GPUs, the process's peak RSS on CPUs.
+when it is installed. Throughput is tokens/s, TFLOP/s per rank and MFU; memory is CUDA's peak allocation since the
+end of initialisation on GPUs, the process's peak RSS on CPUs (since process start: it cannot be reset).
+
+MFU is against the vendor's dense datasheet peak when the GPU is recognised (DATASHEET_TFLOPS, matched on
+torch.cuda.get_device_name), so it compares with published figures; on CPUs and unknown devices against
+train.peak_tflops or the GEMM probe's measured rate, and every row says which (`peak_source`). The measured GEMM
+rate is reported beside it (`mfu_gemm`): no kernel reaches the datasheet figure, a bare GEMM included.
+
+    gemm = gemm_probe(device, torch.bfloat16)                        # {"tflops", "n", "dtype"}
+    peak = choose_peak(device_name(device), matmul_dtype("bf16", tf32=True), configured=0.0, gemm=gemm)
 """
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# Dense tensor-core peaks per device in TFLOP/s (no structured sparsity), per dtype of the matmul inputs; "fp32" is
+# the plain FP32 rate (no TF32), which fp32 matmuls run at when TF32 is off. Where a datasheet gives only figures
+# "with sparsity" they are halved here; a dtype a part lacks is left out (MFU then falls back, labelled).
+DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
+    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense figures; the 40 GB SXM part's are equal)
+    "NVIDIA A100 SXM": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor figures given with sparsity: halved)
+    "NVIDIA H100 SXM": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (with sparsity: halved)
+    "NVIDIA H200": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
+    # NVIDIA HGX B200 specifications (NVIDIA Blackwell datasheet / HGX platform page): figures for the 8-GPU board
+    # with sparsity, so divided by 8 and halved; no FP32 figure is taken from it
+    "NVIDIA B200": {"tf32": 18000 / 16, "bf16": 36000 / 16, "fp16": 36000 / 16, "fp8": 72000 / 16},
+    # AMD Instinct MI250X accelerator datasheet: figures for the package of two GCDs; torch sees each GCD as one
+    # device, so halved. fp32 is the FP32 matrix rate; CDNA2 has no TF32 and no FP8.
+    "AMD Instinct MI250X": {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2},
+    # AMD Instinct MI300X accelerator datasheet (dense figures; fp32 is the FP32 matrix rate)
+    "AMD Instinct MI300X": {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
+}
+
+# torch.cuda.get_device_name -> DATASHEET_TFLOPS key; the first match wins. Parts with lower peaks under a similar
+# name are not matched on purpose (A100 PCIe, H100 PCIe / NVL / "80GB HBM2e", H200 NVL, GB200), nor is ROCm's
+# "MI250X/MI250", shared by two parts 6% apart: they fall back, labelled.
+DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    (r"A100-SXM", "NVIDIA A100 SXM"),  # "NVIDIA A100-SXM4-80GB"
+    (r"H100 80GB HBM3\b|H100 SXM", "NVIDIA H100 SXM"),  # the SXM5 part reports "NVIDIA H100 80GB HBM3"
+    (r"\bH200\b(?!\s*NVL)", "NVIDIA H200"),
+    (r"\bB200\b", "NVIDIA B200"),
+    (r"MI250X(?!/)", "AMD Instinct MI250X"),
+    (r"MI300X", "AMD Instinct MI300X"),
+)
+
+
+def device_name(device: torch.device) -> str | None:
+    """The accelerator's marketing name, None on CPUs."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def datasheet_part(name: str | None) -> str | None:
+    """The DATASHEET_TFLOPS key a device name stands for, or None when it is not one of them."""
+    for pattern, part in DEVICE_NAMES:
+        if name and re.search(pattern, name):
+            return part
+    return None
+
+
+def matmul_dtype(precision: str, tf32: bool) -> str:
+    """The DATASHEET_TFLOPS column a train.precision runs its matmuls in (fp32 ones on TF32 cores when enabled)."""
+    return "tf32" if precision == "fp32" and tf32 else precision
+
+
+@dataclass(frozen=True)
+class Peak:
+    tflops: float  # per rank; 0.0 when nothing is known (MFU then reads 0)
+    source: str  # what the figure is, for every row and the summary
+
+
+def choose_peak(name: str | None, dtype: str, configured: float, gemm: dict[str, Any] | None) -> Peak:
+    """The peak MFU is measured against: train.peak_tflops when set, else the datasheet figure of a recognised
+    device, else the measured GEMM rate."""
+    part = datasheet_part(name)
+    if configured:
+        return Peak(configured, "config: train.peak_tflops")
+    if part and dtype in DATASHEET_TFLOPS[part]:
+        return Peak(DATASHEET_TFLOPS[part][dtype], f"datasheet: {part} {dtype} dense")
+    if gemm:
+        why = (f"{part} has no {dtype} figure" if part else
+               "a CPU" if name is None else f"{name!r} is not in the datasheet table")
+        return Peak(gemm["tflops"], f"measured: {gemm['dtype']} GEMM {gemm['n']}^3 ({why})")
+    return Peak(0.0, "none")
+
+
+def probe_size(device_type: str, dtype: torch.dtype) -> int:
+    """Large enough to approach a GPU's peak (8192^3 is ~1 ms in bf16 on an H100); bounded on CPUs, where bf16 and
+    fp16 matmuls run ~70x slower than fp32 without AVX512-BF16."""
+    if device_type == "cuda":
+        return 8192
+    return 1024 if dtype == torch.float32 else 256
+
+
+def gemm_probe(device: torch.device, dtype: torch.dtype, min_time_s: float = 0.25) -> dict[str, Any]:
+    """The measured matmul rate at probe_size, reported beside MFU. Run before the first step: its buffers are
+    given back to the device, and the peak-memory reset comes after it."""
+    from hpctrain.bench.gemm import measure_gemm
+    n = probe_size(device.type, dtype)
+    r = measure_gemm(dtype, n, device, min_time_s=min_time_s)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tflops": r["tflops"], "n": n, "dtype": str(dtype).removeprefix("torch.")}
+
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the peak allocation since reset_peak_memory. CPU: the process's peak RSS since it started."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measured_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
-    """A short GEMM probe (~0.3 s): the peak MFU is measured against when none is configured."""
-    from hpctrain.bench.gemm import measure_gemm
-    n = 4096 if device.type == "cuda" else 512
-    return measure_gemm(dtype, n, device, min_time_s=0.3)["tflops"]
+def reset_peak_memory(device: torch.device) -> dict[str, Any]:
+    """Called once initialisation is over (model, optimizer, probe, resume), so the peak is training's own. CUDA
+    resets its counter; a process's peak RSS cannot be reset, so on CPUs the baseline is reported beside it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"peak_mem": "cuda max_memory_allocated since the end of initialisation",
+                "baseline_gb": torch.cuda.memory_allocated(device) / 1e9}
+    return {"peak_mem": "process peak RSS since start, initialisation included (it cannot be reset); "
+                        "baseline_gb is the peak when initialisation ended",
+            "baseline_gb": peak_memory_bytes(device) / 1e9}
 
 
 class MetricsLog:
@@ -51,12 +157,13 @@ class MetricsLog:
                     self.tb.add_scalar(f"train/{k}", v, row["step"])
 
     def progress(self, row: dict[str, Any]) -> str:
-        """One line per logged step: a bar, loss, throughput, time left."""
+        """One line per logged step: a bar, loss, throughput, MFU (and against the measured GEMM), time left."""
         done = row["step"] / max(1, self.total)
         bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
         eta = (time.time() - self.t0) / max(done, 1e-9) * (1 - done)
+        gemm = f" (gemm {row['mfu_gemm']:.1%})" if row.get("mfu_gemm") is not None else ""
         return (f"[{bar}] step {row['step']}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
-                f"gnorm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s mfu {row['mfu']:.1%} "
+                f"gnorm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s mfu {row['mfu']:.1%}{gemm} "
                 f"eta {eta:.0f}s")
 
     def close(self) -> None:

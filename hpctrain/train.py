@@ -36,10 +36,26 @@ def check_precision(precision: str, device: torch.device) -> None:
                          f"use fp16 (with loss scaling) or fp32")
 
 
+def tf32_setting(enabled: bool, device_type: str) -> bool | None:
+    """What to set torch's TF32 flags to: train.tf32 on CUDA, both ways (cuDNN's flag defaults to on); None on
+    other devices, whose flags are left alone (torch's fp32 matmul precision also steers oneDNN on CPUs)."""
+    return enabled if device_type == "cuda" else None
+
+
+def apply_tf32(enabled: bool, device: torch.device) -> bool:
+    """Sets the process's TF32 flags for this device; True when fp32 matmuls then run on TF32 tensor cores."""
+    setting = tf32_setting(enabled, device.type)
+    if setting is not None:
+        torch.backends.cuda.matmul.allow_tf32 = setting
+        torch.backends.cudnn.allow_tf32 = setting
+    return bool(setting)
+
+
 class Trainer:
     def __init__(self, cfg: Config, s: session.Session) -> None:
         self.cfg, self.s, self.device = cfg, s, s.device
         check_precision(cfg.train.precision, self.device)
+        self.tf32 = apply_tf32(cfg.train.tf32, self.device)
         layout = s.mesh.layout
         self.dp_rank = s.mesh.layout.coords(s.rank)["dp"]
         self.micro_batch, self.global_batch = parallelize.batch_plan(cfg, layout.dp)
@@ -190,22 +206,33 @@ class Trainer:
                  dist.get_world_size(), "" if same_rng else "; RNG of new ranks left as seeded")
         return step
 
+    def mfu_peak(self) -> tuple[metrics.Peak, dict[str, Any]]:
+        """The peak MFU is against (metrics.choose_peak) and the GEMM probe's measured rate, reported beside it."""
+        t = self.cfg.train
+        gemm = metrics.gemm_probe(self.device, parallelize.DTYPES[t.precision])
+        name = metrics.device_name(self.device)
+        peak = metrics.choose_peak(name, metrics.matmul_dtype(t.precision, self.tf32), t.peak_tflops, gemm)
+        log.info("MFU against %.1f TFLOP/s per rank (%s); measured %s GEMM %d^3 on %s: %.1f TFLOP/s", peak.tflops,
+                 peak.source, gemm["dtype"], gemm["n"], name or "CPU", gemm["tflops"])
+        return peak, gemm
+
     def fit(self) -> dict[str, Any]:
         t = self.cfg.train
         mlog = metrics.MetricsLog(self.s.run_dir, self.s.rank == 0, t.steps)
-        peak = t.peak_tflops or metrics.measured_peak_tflops(self.device, parallelize.DTYPES[t.precision])
         mgr = CheckpointManager(self.cfg.checkpoint, self.s.run_dir, self.s.rank)
         try:
-            return self._fit(mgr, mlog, peak)  # waits for its own saves
+            return self._fit(mgr, mlog)  # waits for its own saves
         finally:
             mgr.close()  # the directory lock
 
-    def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog, peak: float) -> dict[str, Any]:
+    def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog) -> dict[str, Any]:
         t = self.cfg.train
         rank0 = self.s.rank == 0
         world = dist.get_world_size()
         flag = self.s.preempt  # installed at process start, so a signal during start-up or the resume is kept
         resumed = self.resume(mgr)
+        peak, gemm = self.mfu_peak()
+        memory = metrics.reset_peak_memory(self.device)  # initialisation is over: the peak from here is training's
         profiler = self._profiler()
         last: dict[str, Any] = {}
         losses = []
@@ -239,9 +266,10 @@ class Trainer:
                 dt = time.time() - tick
                 tps = (self.tokens_seen - tokens_at_tick) / dt
                 tflops = tps * self.flops_per_token / world / 1e12
-                row.update(tokens_per_s=tps, tflops_per_rank=tflops, mfu=tflops / peak if peak else 0.0,
-                           peak_mem_gb=metrics.peak_memory_bytes(self.device) / 1e9, tokens_seen=self.tokens_seen,
-                           time_s=time.time() - mlog.t0)
+                row.update(tokens_per_s=tps, tflops_per_rank=tflops,
+                           mfu=tflops / peak.tflops if peak.tflops else 0.0, mfu_gemm=tflops / gemm["tflops"],
+                           peak_source=peak.source, peak_mem_gb=metrics.peak_memory_bytes(self.device) / 1e9,
+                           tokens_seen=self.tokens_seen, time_s=time.time() - mlog.t0)
                 mlog.log(row)
                 if rank0:
                     log.info("%s", mlog.progress(row))
@@ -254,8 +282,9 @@ class Trainer:
             self.save(mgr)
         mlog.close()
         out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
-               "peak_tflops": peak, "tokens_seen": self.tokens_seen, "resumed_from": resumed,
-               "preempted": preempted, "losses": losses}
+               "peak_tflops": peak.tflops, "peak_source": peak.source, "gemm": gemm, "tf32": self.tf32,
+               "memory": memory, "tokens_seen": self.tokens_seen, "resumed_from": resumed, "preempted": preempted,
+               "losses": losses}
         if self.pipe is not None:
             out["pipeline"] = self.pipeline_summary()
             if rank0:
