@@ -82,7 +82,10 @@ class JobConfig:
     signal_delay_s: int = 120  # USR2 arrives this long before the time limit
     sbatch_extra: list[str] = field(default_factory=list)  # e.g. ["--mail-type=END", "--reservation=x"]
     setup: list[str] = field(default_factory=list)  # shell lines before srun, e.g. "module load cuda"
-    srun_args: list[str] = field(default_factory=lambda: ["--mpi=pmi2"])
+    # srun --mpi plugin, checked at submit against the site's `srun --mpi=list`: pmi2 for MPICH/Intel MPI, pmix for
+    # Open MPI 5 (which has no PMI2: under pmi2 each task would be rank 0 of 1); "": the site's MpiDefault
+    mpi: str = "pmi2"
+    srun_args: list[str] = field(default_factory=list)  # more srun options, after ours, e.g. "--cpu-bind=none"
     wait_timeout_s: int = 120  # how long --wait waits for results after the job left the queue
 
     def __post_init__(self) -> None:
@@ -103,6 +106,12 @@ class JobConfig:
         for line in self.sbatch_extra:
             _check(re.fullmatch(r"--[a-z][a-z0-9-]*(=.*)?", line) is not None,
                    f"job.sbatch_extra entry {line!r} must look like '--option' or '--option=value'")
+        _check(re.fullmatch(r"[a-z0-9_]*", self.mpi) is not None,
+               f"job.mpi = {self.mpi!r} must be an srun MPI plugin name (`srun --mpi=list`), e.g. 'pmi2' or 'pmix'")
+        for arg in self.srun_args:
+            name, eq, value = arg.partition("=")
+            _check(name != "--mpi", f"job.srun_args entry {arg!r}: set job.mpi = {value or 'NAME'!r} instead "
+                   f"(one place for the MPI plugin, checked against the site's `srun --mpi=list` at submit)")
 
     def sbatch_extra_dict(self) -> dict[str, str | bool]:
         """sbatch_extra as submitit's additional_parameters ({"mail-type": "END"})."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -97,8 +98,9 @@ def partitions() -> dict[str, dict[str, Any]]:
     return parts
 
 
-def check_cluster(cfg: Config) -> None:
-    """Refuses, before sbatch, what this cluster can never run: a missing partition, too many nodes or CPUs.
+def check_cluster(cfg: Config, echo=print) -> None:
+    """Refuses, before sbatch, what this cluster can never run: a missing partition, too many nodes or CPUs, an
+    MPI plugin srun does not have.
 
     (sbatch accepts such a job and leaves it pending forever.)"""
     parts = partitions()
@@ -114,6 +116,59 @@ def check_cluster(cfg: Config) -> None:
         raise ValueError(f"job.tasks_per_node * job.cpus_per_task = {cfg.job.tasks_per_node} * "
                          f"{cfg.job.cpus_per_task} = {cpus} CPUs per node, but nodes of partition {name!r} "
                          f"have at most {part['cpus']}")
+    check_mpi(cfg, echo)
+
+
+def parse_mpi_list(text: str) -> list[str]:
+    """Plugin names from `srun --mpi=list`: the indented lines, and the versions after 'versions available:'
+    (Slurm 22.05: "MPI plugin types are...", "\tpmix", ..., "specific pmix plugin versions available: pmix_v4")."""
+    names = set()
+    for line in text.splitlines():
+        if "versions available:" in line:
+            names.update(n for n in re.split(r"[\s,]+", line.split(":", 1)[1]) if n)
+        elif line[:1].isspace() and line.strip():
+            names.add(line.strip())
+    return sorted(names)
+
+
+def mpi_plugins() -> list[str] | None:
+    """The srun MPI plugins of this site, or None when `srun --mpi=list` does not answer with a list."""
+    try:
+        out = _run(["srun", "--mpi=list"])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    plugins = parse_mpi_list(out.stdout) if out.returncode == 0 else []
+    return plugins or None
+
+
+def mpi_plugin_problem(name: str) -> str | None:
+    """srun's own error lines when it cannot load plugin `name` on this host, else None. `srun --test-only`
+    loads the plugin and runs nothing; here pmix is listed but fails ("can not load PMIx library")."""
+    try:
+        out = _run(["srun", "--test-only", "-n1", f"--mpi={name}", "true"])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.strip() for line in out.stderr.splitlines() if "mpi" in line.lower()]
+    return "; ".join(lines) if out.returncode and lines else None
+
+
+def check_mpi(cfg: Config, echo=print) -> None:
+    """Refuses a job.mpi that this site's srun does not list; warns when srun lists it but cannot load it here
+    (a login node may lack a library the compute nodes have, so that is no refusal)."""
+    name = cfg.job.mpi
+    if not name:
+        return
+    plugins = mpi_plugins()
+    if plugins is None:
+        echo(f"note: `srun --mpi=list` gave no list here; job.mpi = {name!r} not checked")
+        return
+    if name not in plugins:
+        raise ValueError(f"job.mpi = {name!r} is not an MPI plugin of this site: `srun --mpi=list` offers "
+                         f"{', '.join(plugins)}")
+    problem = mpi_plugin_problem(name)
+    if problem:
+        echo(f"warning: job.mpi = {name!r} is listed by `srun --mpi=list` but srun cannot load it on this host "
+             f"({problem}); if the compute nodes are the same, every task will fail to start")
 
 
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
@@ -125,12 +180,14 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
     --cpus-per-task: srun of Slurm 22.05-23.02 does not inherit it from sbatch and gives each task one CPU. On the
       srun line rather than SRUN_CPUS_PER_TASK in the setup lines: every srun version reads the option (only
       22.05+ read the variable), it shows in the script next to the #SBATCH line it repeats, and it reaches
-      this one step only, not other sruns the setup lines may run."""
+      this one step only, not other sruns the setup lines may run;
+    --mpi=job.mpi (the one place for the plugin, so that check_mpi checks what srun gets)."""
     j = cfg.job
     params: dict[str, Any] = {
         "job_name": j.name, "nodes": j.nodes, "ntasks_per_node": j.tasks_per_node,
         "cpus_per_task": j.cpus_per_task, "time": j.time_min, "signal_delay_s": j.signal_delay_s,
-        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={j.cpus_per_task}", *j.srun_args],
+        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={j.cpus_per_task}",
+                      *([f"--mpi={j.mpi}"] if j.mpi else []), *j.srun_args],
         "setup": list(j.setup), "stderr_to_stdout": False,
         # None, not "": submitit writes --wckey=submitit by default and --wckey='' for an empty string
         "wckey": j.wckey or None,
@@ -200,7 +257,7 @@ def submit(cfg: Config, echo=print, argv: Callable[[Path, Path], list[str]] = tr
     check_layout(cfg, echo)
     kind, why = choose_executor(cfg)
     if kind == "slurm":
-        check_cluster(cfg)
+        check_cluster(cfg, echo)
     echo(f"executor: {kind} ({why})")
     if kind == "local" and cfg.job.nodes > 1:
         echo(f"local executor: {cfg.job.nodes} nodes x {cfg.job.tasks_per_node} tasks run as {cfg.world_size} "

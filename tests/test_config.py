@@ -39,8 +39,8 @@ def test_defaults_build():
     assert cfg == Config()
     assert cfg.world_size == 1
     assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (1, -1, 1)
-    assert cfg.job.srun_args == ["--mpi=pmi2"]
-    assert cfg.job.sbatch_extra == [] and cfg.job.setup == []
+    assert cfg.job.mpi == "pmi2" and cfg.job.srun_args == []
+    assert cfg.job.sbatch_extra == [] and cfg.job.setup == [] and cfg.job.wckey == ""
 
 
 def test_tiny_cpu_example_loads():
@@ -59,7 +59,7 @@ def test_gpu_example_loads():
     assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (2, 2, 8)
     assert cfg.job.exclusive is True
     assert cfg.job.sbatch_extra == ["--mail-type=END,FAIL", "--requeue"]
-    assert cfg.job.srun_args == ["--mpi=pmi2", "--cpu-bind=none"]
+    assert cfg.job.mpi == "pmi2" and cfg.job.srun_args == ["--cpu-bind=none"]
     assert cfg.job.setup[0] == "module load cuda/12.4 nccl"
     # mem_gb = 0 is written as an int in the file; float fields take ints and store floats
     assert isinstance(cfg.job.mem_gb, float) and cfg.job.mem_gb == 0.0
@@ -133,6 +133,10 @@ def test_override_can_fix_a_file_value():
     ("data.source=bin", ["data.source = 'bin'", "data.path"]),
     ("job.name=my job", ["job.name = 'my job'"]),
     ("job.name=a/b", ["job.name = 'a/b'"]),
+    # the MPI plugin has one place, job.mpi, which submit checks against the site's `srun --mpi=list`
+    ("job.srun_args=['--mpi=pmix']", ["job.srun_args", "'--mpi=pmix'", "job.mpi = 'pmix'"]),
+    ("job.srun_args=['--mpi', 'pmix']", ["job.srun_args", "'--mpi'", "job.mpi"]),
+    ("job.mpi='pmi 2'", ["job.mpi = 'pmi 2'"]),
 ])
 def test_bad_value_is_refused_with_key_and_value(override, fragments):
     refused([override], *fragments)

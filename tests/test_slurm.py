@@ -47,6 +47,10 @@ def test_refusals_submit_nothing(slurm_cluster, tmp_path) -> None:
     # a job the cluster could never run would pend forever: refused up front
     toobig = hpctrain("submit", str(EXAMPLE), "--set", "job.nodes=3", "--set", f"job.run_root={tmp_path}")
     assert toobig.returncode == 2 and "job.nodes = 3 but partition 'debug' has only 2 node(s)" in toobig.stderr
+    # an MPI plugin this site's srun does not have (it lists pmix_v4, not pmix_v3): every task would fail to start
+    nompi = hpctrain("submit", str(EXAMPLE), "--set", "job.mpi=pmix_v3", "--set", f"job.run_root={tmp_path}")
+    assert nompi.returncode == 2 and "job.mpi = 'pmix_v3' is not an MPI plugin of this site" in nompi.stderr
+    assert "pmi2" in nompi.stderr
     # sbatch itself refuses (unknown node feature): reported, run directory removed
     feature = hpctrain("submit", str(EXAMPLE), "--set", "job.constraint=nosuch", "--set", f"job.run_root={tmp_path}")
     assert feature.returncode == 1 and "submission failed, nothing was submitted" in feature.stderr

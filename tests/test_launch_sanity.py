@@ -1,0 +1,65 @@
+"""Launch sanity against what real sites do: the srun MPI plugin checked against the site's own list, and
+requeue() deciding from the job's state whether a signal was a preemption or a user's scancel.
+
+    .venv/bin/python -m pytest tests/test_launch_sanity.py -q     # the slurm-marked tests need slurm/cluster.sh up
+
+The real-cluster cases use the local Slurm 22.05 cluster, no mocks: its `srun --mpi=list` offers none, pmi2,
+pmix, cray_shasta and pmix_v4 (not pmix_v3).
+"""
+from __future__ import annotations
+
+import pytest
+from faults import record
+
+from conftest import EXAMPLE
+from hpctrain import launch
+from hpctrain.config import load_config
+
+# `srun --mpi=list` of Slurm 22.05.8 (this project's cluster), verbatim
+MPI_LIST_22_05 = """MPI plugin types are...
+\tpmix
+\tnone
+\tcray_shasta
+\tpmi2
+specific pmix plugin versions available: pmix_v4
+"""
+
+
+def test_parse_mpi_list():
+    assert launch.parse_mpi_list(MPI_LIST_22_05) == ["cray_shasta", "none", "pmi2", "pmix", "pmix_v4"]
+    assert launch.parse_mpi_list("specific pmix plugin versions available: pmix_v3,pmix_v4\n") == \
+        ["pmix_v3", "pmix_v4"]
+    assert launch.parse_mpi_list("") == [] and launch.parse_mpi_list("srun: error: something\n") == []
+
+
+def test_srun_line_has_the_chosen_plugin():
+    text = launch.render_sbatch(load_config(EXAMPLE, ["job.mpi=pmix"]), "/RUNDIR/submitit", python="python3")
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert " --mpi=pmix " in srun and "--mpi=pmi2" not in srun
+    text = launch.render_sbatch(load_config(EXAMPLE, ["job.mpi=''"]), "/RUNDIR/submitit", python="python3")
+    assert "--mpi" not in text  # "": the site's MpiDefault
+
+
+@pytest.mark.slurm
+@pytest.mark.faults
+def test_plugin_missing_from_the_site_is_refused_before_sbatch(slurm_cluster):
+    assert "pmi2" in launch.mpi_plugins()  # what the local cluster offers (measured: see MPI_LIST_22_05)
+    launch.check_cluster(load_config(EXAMPLE))  # job.mpi = "pmi2": accepted
+    with pytest.raises(ValueError) as info:
+        launch.check_cluster(load_config(EXAMPLE, ["job.mpi=pmix_v3"]))
+    msg = str(info.value)
+    assert "job.mpi = 'pmix_v3'" in msg and "srun --mpi=list" in msg
+    assert "pmi2" in msg and "pmix_v4" in msg  # the site's list, so the user can pick
+    record("job.mpi names an srun MPI plugin the site lacks (pmix_v3 on a pmix_v4 site)",
+           "refused before sbatch with the site's `srun --mpi=list` in the message", tier="slurm")
+
+
+@pytest.mark.slurm
+def test_listed_plugin_that_srun_cannot_load_warns(slurm_cluster):
+    # measured here: pmix is listed, but `srun --mpi=pmix` fails with "pmi/pmix: can not load PMIx library"
+    notes = []
+    launch.check_cluster(load_config(EXAMPLE, ["job.mpi=pmix"]), notes.append)
+    assert len(notes) == 1 and "job.mpi = 'pmix' is listed" in notes[0] and "can not load PMIx library" in notes[0]
+    notes.clear()
+    launch.check_cluster(load_config(EXAMPLE), notes.append)
+    assert notes == []
