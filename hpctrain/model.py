@@ -1,5 +1,6 @@
 """A Llama-style decoder on one device: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention through
-scaled_dot_product_attention (FlashAttention on GPUs), optional tied embeddings. No distributed code here:
+scaled_dot_product_attention (FlashAttention on GPUs; K/V heads passed grouped with enable_gqa where the kernel
+reads them so), optional tied embeddings. No distributed code here:
 hpctrain.parallelize applies tensor parallel, checkpointing and sharding to this unmodified module.
 
     model = Transformer(ModelDims.from_config(cfg.model, tp=2))   # on the meta device for big models
@@ -8,6 +9,7 @@ hpctrain.parallelize applies tensor parallel, checkpointing and sharding to this
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -93,6 +95,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).type_as(x)
 
 
+@functools.cache
+def sdpa_has_gqa() -> bool:
+    """Whether this torch's scaled_dot_product_attention takes enable_gqa (added in torch 2.5)."""
+    q, kv = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+def native_gqa(device_type: str, dtype: torch.dtype, rocm: bool, has_gqa: bool) -> bool:
+    """Whether SDPA gets the grouped K/V heads as they are (enable_gqa) rather than repeated to every query head.
+    Only kernels that read grouped heads make that a gain: the CPU flash kernel, and on CUDA the flash kernel
+    (fp16/bf16, not on ROCm). The memory-efficient kernel, the one CUDA runs fp32 in, rejects grouped heads and
+    torch would fall back to the math kernel, which materialises the (B, H, T, T) scores: repeat there."""
+    if not has_gqa:
+        return False
+    return device_type == "cpu" or (device_type == "cuda" and not rocm and dtype in (torch.float16, torch.bfloat16))
+
+
 class Attention(nn.Module):
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
@@ -109,11 +132,13 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, head_dim)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves n_heads / n_kv_heads
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, head_dim), k and v (B, H_kv, T, head_dim)
+        gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves n_heads / n_kv_heads
+        native = gqa and native_gqa(q.device.type, q.dtype, torch.version.hip is not None, sdpa_has_gqa())
+        if gqa and not native:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if native else {}))
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

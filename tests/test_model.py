@@ -1,15 +1,18 @@
-"""Pure tier for the model: shapes, grouped-query attention, tied embeddings, causality, the layout-independent
-init, parameter and FLOP counts (70B example included), and the refusals of model dims against tp."""
+"""Pure tier for the model: shapes, grouped-query attention (SDPA's enable_gqa against repeated K/V), tied
+embeddings, causality, the layout-independent init, parameter and FLOP counts (70B example included), and the
+refusals of model dims against tp."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from conftest import REPO
+from hpctrain import model
 from hpctrain.cli import main as cli
 from hpctrain.config import ModelConfig, load_config
-from hpctrain.model import ModelDims, Transformer, init_value
+from hpctrain.model import ModelDims, Transformer, init_value, native_gqa, sdpa_has_gqa
 
 
 def _model(**kw) -> Transformer:
@@ -35,6 +38,51 @@ def test_gqa_and_tied_embeddings_count() -> None:
     assert m.output.weight is m.tok_embeddings.weight
     assert sum(p.numel() for p in m.parameters()) == m.dims.num_params()
     assert m(torch.randint(0, 256, (2, 5))).shape == (2, 5, 256)
+
+
+def test_native_gqa_where_a_kernel_reads_grouped_heads() -> None:
+    """enable_gqa on CPUs and for CUDA flash (fp16/bf16, not ROCm); repeat where only the memory-efficient
+    kernel fits (CUDA fp32), which rejects grouped heads, and where this torch lacks the argument."""
+    assert native_gqa("cpu", torch.float32, rocm=False, has_gqa=True)
+    assert native_gqa("cuda", torch.bfloat16, rocm=False, has_gqa=True)
+    assert native_gqa("cuda", torch.float16, rocm=False, has_gqa=True)
+    assert not native_gqa("cuda", torch.float32, rocm=False, has_gqa=True)
+    assert not native_gqa("cuda", torch.bfloat16, rocm=True, has_gqa=True)
+    assert not native_gqa("cpu", torch.float32, rocm=False, has_gqa=False)
+    assert sdpa_has_gqa()  # torch >= 2.5 here
+
+
+def _attention_calls(monkeypatch) -> list[tuple[int, int, dict]]:
+    """Records (query heads, key heads, keyword arguments) of every SDPA call."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1], kw))
+        return sdpa(q, k, v, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def _logits_and_grads(m: Transformer, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m.zero_grad(set_to_none=True)
+    logits = m(x)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_gqa_through_enable_gqa_matches_repeated_kv(monkeypatch) -> None:
+    m = _model(n_kv_heads=2)  # 4 query heads share 2 kv heads
+    x = torch.randint(0, 256, (3, 12))
+    calls = _attention_calls(monkeypatch)
+    native, native_grads = _logits_and_grads(m, x)
+    assert calls and all(c == (4, 2, {"is_causal": True, "enable_gqa": True}) for c in calls)  # K/V not repeated
+    calls.clear()
+    monkeypatch.setattr(model, "sdpa_has_gqa", lambda: False)  # a torch without enable_gqa
+    repeated, repeated_grads = _logits_and_grads(m, x)
+    assert calls and all(c == (4, 4, {"is_causal": True}) for c in calls)
+    assert torch.allclose(native, repeated, atol=1e-6, rtol=0)
+    for name, g in repeated_grads.items():
+        assert torch.allclose(native_grads[name], g, atol=1e-6, rtol=0), name
 
 
 def test_causal() -> None:
