@@ -76,11 +76,20 @@ def check_groups(mesh_: mesh.Mesh, rank: int, device: torch.device) -> dict[str,
 
 
 def cpu_threads(ranks_on_host: int) -> int:
-    """Intra-op threads per rank: OMP_NUM_THREADS when set, else the host's cores shared among its ranks
-    (torch's default of every core per rank oversubscribes the CPU ranks_on_host times over)."""
+    """Intra-op threads per rank: OMP_NUM_THREADS when set, else the CPUs this process may run on (its affinity
+    mask, not the host's count: Slurm, cgroups and containers narrow it), shared with the host's other ranks.
+
+    A mask too wide for every rank of the host to hold one of its size (mask x ranks > host CPUs) is one they all
+    share (no per-task binding): divide it. A narrower one was bound to this rank (Slurm's task/affinity,
+    mpiexec -bind-to): all of it. Under Slurm never more than SLURM_CPUS_PER_TASK, which also covers a job cpuset
+    shared without binding. torch's default of every core per rank oversubscribes the CPU ranks_on_host times."""
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // ranks_on_host)
+    mask = len(os.sched_getaffinity(0))
+    threads = mask // ranks_on_host if mask * ranks_on_host > (os.cpu_count() or mask) else mask
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        threads = min(threads, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(1, threads)
 
 
 def _build_mesh(s: Session) -> None:

@@ -63,3 +63,35 @@ def test_listed_plugin_that_srun_cannot_load_warns(slurm_cluster):
     notes.clear()
     launch.check_cluster(load_config(EXAMPLE), notes.append)
     assert notes == []
+
+
+# --- threads per rank from the affinity mask --------------------------------------------------------------
+
+@pytest.mark.parametrize("host_cpus, mask, ranks, env, threads", [
+    # Slurm binds each task to its own cpus_per_task CPUs (task/affinity): the whole mask is this rank's
+    (128, range(12), 8, {"SLURM_CPUS_PER_TASK": "12"}, 12),
+    # no binding (--cpu-bind=none, task/none): every rank sees the node's CPUs and shares them
+    (128, range(128), 8, {}, 16),
+    # ... capped at what was asked of Slurm (the rest of a shared node is other jobs')
+    (128, range(128), 8, {"SLURM_CPUS_PER_TASK": "4"}, 4),
+    # a job cpuset (cgroup) without per-task binding: 16 CPUs shared by the 8 ranks of a 2-CPU-per-task job
+    (128, range(16), 8, {"SLURM_CPUS_PER_TASK": "2"}, 2),
+    # a step cpuset of 96 CPUs shared by 8 ranks
+    (128, range(96), 8, {"SLURM_CPUS_PER_TASK": "12"}, 12),
+    # mpiexec -n 4 on this 2-core machine: never 0
+    (2, range(2), 4, {}, 1),
+    # a container limited to 4 of the host's 64 CPUs, one rank: 4, not 64
+    (64, range(4), 1, {}, 4),
+    # OMP_NUM_THREADS wins
+    (128, range(12), 8, {"OMP_NUM_THREADS": "3", "SLURM_CPUS_PER_TASK": "12"}, 3),
+])
+def test_cpu_threads_from_the_affinity_mask(monkeypatch, host_cpus, mask, ranks, env, threads):
+    from hpctrain import session
+
+    for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(session.os, "cpu_count", lambda: host_cpus)
+    monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: set(mask))
+    assert session.cpu_threads(ranks) == threads
