@@ -172,6 +172,7 @@ def build_mesh(layout: Layout, node_of_rank: Sequence[int], device_type: str) ->
     from torch.distributed.device_mesh import DeviceMesh
 
     check_topology(layout, node_of_rank)
+    # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl")
     device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=AXES)
     node_mesh = DeviceMesh(device_type, torch.tensor(node_members(node_of_rank)), mesh_dim_names=NODE_AXES)
     return Mesh(layout, device_mesh, node_mesh)

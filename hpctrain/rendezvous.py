@@ -21,6 +21,21 @@ TCPStore answers list_keys to any client, a deliberate one can list every key, s
 or overwrite the job's keys. gloo's and NCCL's own connections between ranks are unauthenticated too. Keep the
 job's network private and choose the interface with parallel.master_addr. torchrun launches use torchrun's own
 store (MASTER_ADDR/MASTER_PORT, every interface) and are not covered.
+
+Collectives on host tensors under NCCL. An NCCL group serves only CUDA tensors: a collective on a host tensor
+raises "No backend type associated with device type cpu". hpctrain's control collectives hold host values (the
+RNG table, checkpoint sizes and flags, rank 0's verdicts and every object collective), so an NCCL job's default
+group is "cpu:gloo,cuda:nccl" (backend_config): host tensors go to gloo, CUDA tensors to NCCL, and every group made
+from it (new_group without a backend, DeviceMesh axes, and under the eager init below split_group, whose
+ProcessGroup::splitGroup splits each backend with its own options) inherits both. Chosen over moving every control
+collective to the device because it removes the whole class of bug instead of relying on each present and future
+call site; host values need no copy to the GPU and no stream sync to read back; and object collectives stay on
+the host (torch picks a group's CPU backend when it has one), the same path CPU jobs take, so CPU tests exercise
+it. The cost: a gloo context per group (TCP connections, host memory, an interface every rank reaches: gloo
+follows GLOO_SOCKET_IFNAME), and a host collective is a TCP round trip, so per-step collectives (the preemption
+poll) keep passing the rank's device and stay on NCCL. device_id is still passed for NCCL: the communicator
+connects at init, on the bound GPU, and subgroups split from it. tests/test_device_collectives.py checks this on
+CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
 """
 from __future__ import annotations
 
@@ -261,17 +276,38 @@ def _admit(ident: Identity, store, directory: Path, timeout_s: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def backend_config(backend: str) -> str:
+    """What init_process_group gets: for NCCL, gloo beside it for host tensors ("cpu:gloo,cuda:nccl"; see the
+    module docstring for why). Groups made from the default one (new_group, DeviceMesh) inherit both."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def emulated_device_backend(config: str) -> str:
+    """The backend string with every NCCL entry served by gloo instead, each for the same device types only:
+    "nccl" -> "cuda:gloo", a group that refuses host tensors with NCCL's own error on a CPU-only torch."""
+    from torch.distributed import Backend
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    pairs = BackendConfig(Backend(config)).get_device_backend_map()
+    return ",".join(f"{dev}:{'gloo' if name == 'nccl' else name}" for dev, name in pairs.items())
+
+
 def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 600, master_addr: str = "",
                      rendezvous_dir: str | Path | None = None):
     """Starts torch.distributed for this identity and returns the rank's device."""
+    import torch
     import torch.distributed as dist
 
-    backend = choose_backend(backend)
-    device = bind_device(ident, backend)
+    # Test hook (tests/test_device_collectives.py), read here and nowhere else: HPCTRAIN_EMULATE_NCCL=1 runs the
+    # NCCL path on a CPU-only torch, its device entries served by gloo (emulated_device_backend), the rank on the CPU
+    emulate = os.environ.get("HPCTRAIN_EMULATE_NCCL") == "1"
+    backend = "nccl" if emulate else choose_backend(backend)
+    device = torch.device("cpu") if emulate else bind_device(ident, backend)
     timeout = timedelta(seconds=timeout_s)
-    kwargs: dict[str, Any] = {"backend": backend, "rank": ident.rank, "world_size": ident.world_size,
+    config = emulated_device_backend(backend_config(backend)) if emulate else backend_config(backend)
+    kwargs: dict[str, Any] = {"backend": config, "rank": ident.rank, "world_size": ident.world_size,
                               "timeout": timeout}
-    if backend == "nccl":
+    if backend == "nccl" and not emulate:
         kwargs["device_id"] = device
     if ident.launcher == "torchrun":
         dist.init_process_group(init_method="env://", **kwargs)

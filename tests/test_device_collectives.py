@@ -1,0 +1,211 @@
+"""Device-correct collectives, on CPU: the NCCL code path with its device served by gloo.
+
+An NCCL-only process group serves only CUDA tensors; every host-tensor collective on it raises "No backend type
+associated with device type cpu". rendezvous.init_distributed therefore gives NCCL jobs a default group with gloo
+beside it ("cpu:gloo,cuda:nccl"), and every group made from it inherits both. No GPU here, so the test hook
+HPCTRAIN_EMULATE_NCCL=1 runs that path with each NCCL entry served by gloo for the same device types only: an
+NCCL-only group becomes "cuda:gloo", which refuses host tensors with NCCL's own error.
+
+Two real ranks (Slurm's variables, file rendezvous) run, in one process each:
+  1. the fault, injected: the default group NCCL alone would give (our init path, the CPU entry removed); the
+     control collectives on host tensors must fail with NCCL's message, or this emulation proves nothing;
+  2. the real control paths (RNG table, checkpoint size all-reduce, rank-0 verdicts, any-rank flags,
+     preemption poll) on our default group;
+  3. training with periodic asynchronous and final saves, then a resume, through session.start; every process
+     group alive at the end (mesh axes, FSDP, the async checkpoint group, ...) must serve host tensors.
+
+    .venv/bin/python -m pytest tests/test_device_collectives.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, env_with_venv
+
+NCCL_ERROR = "No backend type associated with device type cpu"
+TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+        "data.source=synthetic", "data.seq_len=32", "train.lr=1e-3", "train.warmup_steps=2", "train.log_every=100",
+        "train.peak_tflops=1", "train.micro_batch_size=4", "parallel.backend=nccl", "parallel.timeout_s=120",
+        "parallel.zero_stage=3", "job.nodes=1", "job.tasks_per_node=2", "job.gpus_per_node=2"]
+
+
+# --- pure: the backend string ----------------------------------------------------------------------------------
+
+def test_nccl_gets_gloo_beside_it():
+    from torch.distributed import Backend
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from hpctrain.rendezvous import backend_config, emulated_device_backend
+
+    assert backend_config("nccl") == "cpu:gloo,cuda:nccl"
+    assert backend_config("gloo") == "gloo"
+    # as torch reads it: host tensors to gloo, CUDA tensors to NCCL
+    assert BackendConfig(Backend(backend_config("nccl"))).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    # the emulation keeps each entry's device types
+    assert emulated_device_backend("nccl") == "cuda:gloo"
+    assert emulated_device_backend(backend_config("nccl")) == "cpu:gloo,cuda:gloo"
+
+
+# --- two ranks -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("devcoll")
+    procs = []
+    for rank in range(2):
+        env = env_with_venv() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                                 "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": f"devcoll{os.getpid()}",
+                                 "HPCTRAIN_EMULATE_NCCL": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, str(out)], env=env, cwd=REPO, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    t0 = time.monotonic()
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-4000:] for log in logs)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        r["seconds"] = time.monotonic() - t0
+    return results
+
+
+@pytest.mark.faults
+def test_device_only_group_refuses_host_tensors(ranks):
+    """The injected fault: without gloo beside NCCL each control collective on a host tensor fails."""
+    from faults import record
+
+    for r in ranks:
+        assert r["device_only_backend"] == "cuda:gloo", r
+        for name, outcome in r["device_only"].items():
+            assert NCCL_ERROR in outcome, (name, outcome)
+    record("host-tensor control collectives on an NCCL-only default group (emulated: gloo serving only 'cuda')",
+           f"RNG table, checkpoint size all-reduce, any-rank flag and preemption poll each raise '{NCCL_ERROR}'; "
+           "with our 'cpu:gloo,cuda:nccl' group all pass and training saves and resumes", None, "unit")
+
+
+def test_control_paths_on_our_default_group(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["backend"] == "cpu:gloo,cuda:gloo", r
+        assert r["control"] == {"rng_table": "ok", "need_bytes": "ok", "agree": "ok", "gather": "ok",
+                                "any_rank": "ok", "preempt_poll": "ok"}, (rank, r["control"])
+
+
+def test_training_saves_and_resumes_with_every_group_serving_host_tensors(ranks):
+    for r in ranks:
+        groups = r["train"].pop("groups", [])
+        r.get("resume", {}).pop("groups", None)
+        assert r["train"] == {"steps": 4, "resumed_from": None}, r["train"]
+        assert r.get("resume") == {"steps": 6, "resumed_from": 4}, r["resume"]
+        # the world, the mesh's own pp and tp groups (its dp group of 2 is the world) and the async checkpoint group
+        assert {"default_pg", "mesh_pp", "mesh_tp"} <= {g["desc"] for g in groups} and len(groups) >= 4, groups
+        assert not [g for g in groups if "cpu" not in g["devices"]], groups
+
+
+# --- the worker (one rank) -----------------------------------------------------------------------------------
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 -- recorded for the test to judge
+        return f"{type(e).__name__}: {e}"
+
+
+def _host_collectives(rank: int, world: int, out: Path) -> dict[str, str]:
+    """The control collectives that run on host tensors, each checked for its value."""
+    import torch
+
+    from hpctrain.checkpoint import manager, state
+    from hpctrain.config import CheckpointConfig
+    from hpctrain.preempt import PreemptionFlag
+
+    mgr = manager.CheckpointManager(CheckpointConfig(dir=str(out / "none")), out, rank, writer=False)
+
+    def rng() -> None:
+        table = state.rng_table(world)
+        assert table.shape[0] == world and torch.equal(table[rank], torch.get_rng_state())
+
+    def need() -> None:
+        assert mgr._need_bytes({"x": torch.ones(4)}) == int(world * 16 * 1.05) + (1 << 20)
+
+    def any_rank() -> None:
+        assert manager._any_rank(rank == 1) and not manager._any_rank(False)
+
+    def poll() -> None:
+        flag = PreemptionFlag(signals=())
+        flag.received = 12 if rank == 0 else None
+        assert flag.poll() == (True, False, False)
+
+    return {"rng_table": _outcome(rng), "need_bytes": _outcome(need), "any_rank": _outcome(any_rank),
+            "preempt_poll": _outcome(poll)}
+
+
+def _object_collectives(rank: int) -> dict[str, str]:
+    from hpctrain.checkpoint import manager
+
+    def agree() -> None:
+        assert manager._agree(rank, lambda: "from rank 0") == "from rank 0"
+
+    def gather() -> None:
+        assert manager._gather(rank) == [0, 1]
+
+    return {"agree": _outcome(agree), "gather": _outcome(gather)}
+
+
+def _train(overrides: list[str]) -> dict:
+    from torch.distributed import distributed_c10d as c10d
+
+    from hpctrain import session
+    from hpctrain.config import load_config
+    from hpctrain.train import Trainer
+
+    try:
+        with session.start(load_config(None, TINY + overrides)) as s:
+            res = Trainer(s.cfg, s).fit()
+            groups = [{"desc": pg.group_desc, "devices": sorted(d.type for d in pg._device_types)}
+                      for pg in c10d._world.pg_map]
+        return {"steps": res["steps"], "resumed_from": res["resumed_from"], "groups": groups}
+    except Exception as e:  # noqa: BLE001 -- recorded for the test to judge
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from hpctrain import rendezvous
+
+    ident = rendezvous.identify("slurm")
+    rank, world = ident.rank, ident.world_size
+    result: dict = {}
+    # 1. the fault: the default group NCCL alone gives, through our init path
+    real = rendezvous.backend_config
+    rendezvous.backend_config = lambda backend: backend
+    try:
+        rendezvous.init_distributed(ident, "nccl", 60, "", out / "rdzv-device-only")
+        result["device_only_backend"] = dist.get_backend_config()
+        result["device_only"] = _host_collectives(rank, world, out)
+        dist.barrier(group=dist.new_group(backend="gloo"))  # both ranks done before teardown
+    finally:
+        rendezvous.backend_config = real
+        dist.destroy_process_group()
+    # 2. our default group
+    rendezvous.init_distributed(ident, "nccl", 60, "", out / "rdzv-ours")
+    result["backend"] = dist.get_backend_config()
+    result["control"] = _host_collectives(rank, world, out) | _object_collectives(rank)
+    dist.barrier(group=dist.new_group(backend="gloo"))
+    dist.destroy_process_group()
+    # 3. training: async periodic saves, a final save, then a resume
+    ck = [f"checkpoint.dir={out / 'ck'}", "checkpoint.every_steps=2", "checkpoint.async_save=true"]
+    result["train"] = _train(ck + ["train.steps=4", f"job.run_root={out / 'runs1'}"])
+    if "error" not in result["train"]:
+        result["resume"] = _train(ck + ["train.steps=6", f"job.run_root={out / 'runs2'}"])
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
