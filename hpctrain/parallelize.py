@@ -96,13 +96,24 @@ def apply_ac(model: Transformer, mode: str, every: int) -> None:
             model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
 
 
+def reshard_after_forward(zero_stage: int, pp: int) -> bool:
+    """Whether FSDP frees the gathered parameters after each forward. ZeRO-3 does, except under pipeline parallel:
+    a stage runs a forward per micro-batch, and torch's schedule keeps parameters gathered through the
+    micro-batches' backwards (reshard after backward only at the last), so resharding after forward would gather
+    them again for every micro-batch. Pipeline trainers turn it off: one all-gather per stage module per step, and
+    the stage's parameters stay whole from its first forward to its last backward (ZeRO-2's parameter memory during
+    the step; gradients and optimizer state stay sharded)."""
+    return zero_stage == 3 and pp == 1
+
+
 def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype, roots: list[nn.Module] | None = None) -> None:
-    """FSDP2 per block then the root(s): ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them. Under
-    pipeline parallel each stage module is a root (it holds the embedding, norm and output of its stage)."""
+               reduce_dtype: torch.dtype, roots: list[nn.Module] | None = None, pp: int = 1) -> None:
+    """FSDP2 per block then the root(s): ZeRO-3 reshards parameters after forward (not under pp, see
+    reshard_after_forward), ZeRO-2 keeps them. Under pipeline parallel each stage module is a root (it holds the
+    embedding, norm and output of its stage)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    reshard = zero_stage == 3
+    reshard = reshard_after_forward(zero_stage, pp)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     for root in roots or [model]:
@@ -182,6 +193,10 @@ def check_training(cfg: Config, tp: int, dp: int) -> list[str]:
     dims = ModelDims.from_config(cfg.model, tp)
     batch_plan(cfg, dp)
     notes = [pipeline.describe(plan, cfg.train.grad_accum)] if plan else []
+    if plan and cfg.parallel.zero_stage == 3 and dp > 1:
+        notes.append(f"parallel.zero_stage = 3 with parallel.pp = {plan.pp}: each stage's parameters are gathered "
+                     f"once per step, not for each of the {cfg.train.grad_accum} micro-batches, and stay whole until "
+                     f"its last backward (ZeRO-2's parameter memory during the step)")
     if dims.vocab_size != dims.true_vocab_size:
         notes.append(f"model.vocab_size = {dims.true_vocab_size} padded to {dims.vocab_size} (a multiple of "
                      f"lcm(64, tp={tp})) so the vocabulary shards evenly")
@@ -208,7 +223,8 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
     low = DTYPES[cfg.train.precision] if cfg.train.precision != "fp32" else None
     autocast = low
     if zero in (2, 3):
-        apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype], parts or None)
+        apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype], parts or None,
+                   plan.pp if plan else 1)
         autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
     materialize(model, dims, cfg.train.seed, device, parts or None)
     sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731

@@ -114,6 +114,19 @@ def test_pipeline_four_stages_match_single_process(results, case) -> None:
     _compare(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL)
 
 
+def test_pipeline_zero3_gathers_parameters_once_per_step(results) -> None:
+    """Under pp, ZeRO-3's FSDP modules do not reshard after forward (parallelize.reshard_after_forward): each gathers
+    its parameters once in a step of 4 micro-batches. Plain dp ZeRO-3 still reshards its blocks after forward and
+    gathers them again for backward."""
+    pp = results["pp2dp2_zero3"]
+    assert pp["fsdp"] and not any(pp["fsdp"].values()), pp["fsdp"]
+    assert pp["gathers"] == len(pp["fsdp"])
+    dp = results["dp2_zero3"]
+    blocks = {k: v for k, v in dp["fsdp"].items() if k.startswith("layers.")}
+    assert blocks and all(blocks.values()), dp["fsdp"]
+    assert dp["gathers"] >= len(dp["fsdp"]) + len(blocks)
+
+
 def test_reference_learns(results) -> None:
     losses = results["ref"]["losses"]
     assert losses[-1] < losses[0] - 0.1  # a test that compares equal nothings would pass; this one would not

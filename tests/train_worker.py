@@ -1,11 +1,13 @@
 """Runs training cases in one process (one rank) and records each case's per-step losses and final full
-weights, for tests/test_train_equivalence.py. Used two ways:
+weights, for tests/test_train_equivalence.py; also, on rank 0, each FSDP module's reshard_after_forward and the
+all-gathers of the last step. Used two ways:
 
     python tests/train_worker.py OUT CASES_JSON BASE_PORT      # one rank of a torchrun-style spawn
     run_case(overrides, out_file)                              # in the test process, as the 1-rank reference
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,22 +39,56 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return {k: v for part in every for k, v in part.items()}
 
 
+def fsdp_reshard(modules) -> dict[str, bool]:
+    """reshard_after_forward of every FSDP module that holds parameters (blocks, roots, pipeline stage roots)."""
+    from torch.distributed.fsdp import FSDPModule
+    out, seen = {}, set()
+    for k, root in enumerate(modules):
+        for name, m in root.named_modules():
+            if isinstance(m, FSDPModule) and id(m) not in seen:
+                seen.add(id(m))
+                group = m._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    out[name or f"root{k}"] = group._reshard_after_forward
+    return out
+
+
+@contextlib.contextmanager
+def counting_all_gathers(counter: list[int]):
+    """Counts FSDP2's parameter all-gathers (it calls dist.all_gather_single)."""
+    import torch.distributed as dist
+    real = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return real(*args, **kwargs)
+    dist.all_gather_single = counted
+    try:
+        yield
+    finally:
+        dist.all_gather_single = real
+
+
 def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
-    """Trains one case; rank 0 saves {"losses", "skipped", "scales", "weights"} to `out` with torch.save."""
+    """Trains one case; rank 0 saves {"losses", "skipped", "scales", "weights", "fsdp", "gathers"} to `out`."""
     cfg = load_config(None, TINY + overrides + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
     with session.start(cfg) as s:
         tr = Trainer(cfg, s)
         losses, skipped, scales = [], [], []
+        gathers = [0]
         for step in range(cfg.train.steps):
             if inject_inf_step and step + 1 == inject_inf_step and s.rank == s.ident.world_size - 1:
                 _poison_next_gradients(tr)
-            row = tr.train_step()
+            last = step + 1 == cfg.train.steps
+            with counting_all_gathers(gathers) if last else contextlib.nullcontext():
+                row = tr.train_step()
             losses.append(row["loss"])
             skipped.append(row["skipped"])
             scales.append(row["loss_scale"])
         weights = full_weights(tr.model)
         if s.rank == 0:
-            torch.save({"losses": losses, "skipped": skipped, "scales": scales, "weights": weights}, out)
+            torch.save({"losses": losses, "skipped": skipped, "scales": scales, "weights": weights,
+                        "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0]}, out)
     return {"losses": losses}
 
 
