@@ -81,13 +81,43 @@ def process_flag() -> PreemptionFlag:
     return _process_flag
 
 
+def _scontrol(*args: str) -> subprocess.CompletedProcess | str:
+    """scontrol's answer, or why there was none (not on PATH, not runnable, no answer in 60 s)."""
+    try:
+        return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return "no scontrol on PATH (a container without the Slurm client?)"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"scontrol {' '.join(args)} failed: {e}"
+
+
 def requeue() -> str:
-    """Puts this Slurm job back in the queue (it restarts with the same job id and run directory)."""
+    """Puts this Slurm job back in the queue (it restarts with the same job id and run directory) unless Slurm is
+    ending it already; returns one line saying what happened (the caller logs it, after the checkpoint is
+    committed, so nothing here may raise).
+
+    Requeued only while the job is RUNNING. Measured on Slurm 22.05: a plain `scancel` marks the job COMPLETING
+    before its tasks get SIGTERM (so does the time limit, with Reason=TimeLimit), and `scontrol requeue` of a
+    COMPLETING job succeeds and runs it again: the user's cancel would be undone. A preemption leaves the job
+    RUNNING through its GraceTime (SIGTERM, or the --signal USR2 with preempt_send_user_signal), and so do
+    `scancel --signal=USR2` and the time limit's USR2@signal_delay_s warning."""
     job = os.environ.get("SLURM_ARRAY_JOB_ID") and (
         f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}") or os.environ.get("SLURM_JOB_ID")
     if not job:
         return "not a Slurm job: nothing to requeue (rerun the same command to resume)"
-    out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if out.returncode:
-        return f"scontrol requeue {job} failed: {out.stderr.strip()}"
+    resume = "submit the same config with train.resume=<run dir> to resume from the committed checkpoint"
+    show = _scontrol("show", "job", "-o", job)
+    if isinstance(show, str) or show.returncode:
+        why = show if isinstance(show, str) else f"scontrol show job {job}: {show.stderr.strip()}"
+        return f"job {job} not requeued: {why}; {resume}"
+    fields = dict(w.split("=", 1) for w in show.stdout.split() if "=" in w)
+    state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
+    if state != "RUNNING":
+        return (f"job {job} not requeued: Slurm is ending it (JobState={state} Reason={reason}: a user's scancel, "
+                f"or the time limit); {resume}")
+    out = _scontrol("requeue", job)
+    if isinstance(out, str) or out.returncode:
+        why = out if isinstance(out, str) else out.stderr.strip()
+        return f"job {job} not requeued: scontrol requeue {job} failed: {why}; {resume}"
     return f"requeued job {job}"

@@ -4,13 +4,16 @@ Skipped when no cluster answers, except in CI where HPCTRAIN_REQUIRE_SLURM=1 tur
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
 
 import pytest
+from faults import record
 
-from conftest import EXAMPLE, REPO, env_with_venv, hpctrain, read_summary, tool
+from conftest import EXAMPLE, REPO, env_with_venv, hpctrain, only_run_dir, read_summary, tool
+from hpctrain.checkpoint.manager import committed
 
 pytestmark = pytest.mark.slurm
 
@@ -105,3 +108,44 @@ def test_pipeline_across_nodes(slurm_cluster, tmp_path) -> None:
     pipe = train["pipeline"]
     assert pipe["schedule"] == "1f1b" and [r["blocks"] for r in pipe["per_pp_rank"]] == [[0, 1], [2, 3]]
     assert all(0 < r["idle_fraction"] < 1 for r in pipe["per_pp_rank"])
+
+
+@pytest.mark.faults
+def test_scancel_saves_and_is_not_requeued(slurm_cluster, tmp_path) -> None:
+    """A user's plain `scancel`: the tasks get SIGTERM (like a preemption), save, and the job is NOT requeued.
+
+    Measured on this Slurm 22.05: scancel marks the job COMPLETING before its tasks get SIGTERM, and
+    `scontrol requeue` of a COMPLETING job succeeds and restarts it; preemption and `scancel --signal` leave it
+    RUNNING (see preempt.requeue)."""
+    steps = 120
+    cmd = [tool("hpctrain"), "submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}",
+           "--set", f"train.steps={steps}", "--set", "train.log_every=5", "--set", "model.n_layers=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_venv(),
+                            cwd=REPO)
+    lines, job_id = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"submitted job (\d+)", line)
+        job_id = job_id or (m and m.group(1))
+        if re.search(r"step (1[5-9]|2\d)/", line):
+            subprocess.run(["scancel", job_id], check=True, timeout=30)
+            t0 = time.time()
+            break
+    after, err = proc.communicate(timeout=300)
+    gone = time.time() - t0
+    out = "".join(lines) + after
+    assert proc.returncode == 0, out + err  # every task returned after its save: --wait reports the job done
+    assert "PENDING" not in after, out + err  # --wait would follow a requeued job back through PENDING
+    state = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
+    assert "JobState=CANCELLED" in state.stdout and "Restarts=0" in state.stdout, state.stdout + state.stderr
+
+    run = only_run_dir(tmp_path)
+    log0 = (run / "logs" / "rank00000.log").read_text()
+    assert "received SIGTERM" in log0 and f"job {job_id} not requeued" in log0, log0[-3000:]
+    assert "Traceback" not in log0
+    summary = json.loads((run / "summary.json").read_text())
+    stopped = summary["train"]["steps"]
+    assert summary["train"]["preempted"] and 15 <= stopped < steps
+    assert [s for s, _ in committed(run / "checkpoints")][-1] == stopped  # the step reached is saved
+    record("plain scancel (SIGTERM to every task) of a running Slurm job", "every rank saves; the committed "
+           "checkpoint holds the step reached; not requeued (CANCELLED, Restarts=0)", gone, tier="slurm")
