@@ -134,8 +134,10 @@ class ParallelConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_s: int = 600  # collective and rendezvous timeout
     rendezvous: str = "auto"  # auto | mpi | slurm | submitit | torchrun | single
-    master_addr: str = ""  # where rank 0's store listens (bound to it only); empty: 127.0.0.1 for a one-node
-    #                        job, else the address the host name resolves to
+    master_addr: str = ""  # where rank 0's store listens (bound to it only); empty: parallel.interface's address,
+    #                        else 127.0.0.1 on one host, else the host name's address unless it is loopback
+    interface: str = ""  # e.g. "ib0": rank 0 publishes its address; NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME unless set
+    connect_timeout_s: int = 60  # ranks stop dialling rank 0's store after this, naming it (timeout_s: collectives)
     zero_stage: int = 0  # 0 DDP, 1 + optimizer state sharded, 2 + gradients (FSDP2), 3 + parameters (FSDP2)
     sequence_parallel: bool = False  # shard norms and residuals along the sequence inside the tp group
     loss_parallel: bool = True  # keep logits vocab-sharded into the cross-entropy (tp > 1)
@@ -146,7 +148,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_fields("parallel", self)
-        _positive("parallel", self, "pp", "tp", "timeout_s", "pp_virtual_stages")
+        _positive("parallel", self, "pp", "tp", "timeout_s", "connect_timeout_s", "pp_virtual_stages")
+        _check(re.fullmatch(r"[A-Za-z0-9_.:@-]{0,15}", self.interface) is not None, f"parallel.interface = "
+               f"{self.interface!r} must be one network interface name (`ip -br addr` lists them), e.g. 'ib0'")
         _one_of("parallel", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         multi = self.pp_schedule not in ("gpipe", "1f1b")
         if self.pp > 1 and not multi:

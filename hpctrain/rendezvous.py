@@ -9,8 +9,15 @@ slurmd on one host, else the host name), and rank 0 broadcasts a TCPStore addres
 MPI hand out identity in environment variables (tables below); rank 0 then publishes the store address in a file
 under the shared run directory. torchrun brings its own MASTER_ADDR/MASTER_PORT.
 
-What the rendezvous exposes. Rank 0's TCPStore listens on one address only: parallel.master_addr, else 127.0.0.1
-when the job has one node, else the address this host's name resolves to; the port is one the OS picks. The
+Where the store listens (store_address): parallel.master_addr; else the address of parallel.interface (e.g.
+"ib0"); else 127.0.0.1 when every rank is on one host; else the address this host's name resolves to, unless that
+is loopback (Debian images map the host name to 127.0.1.1) or nothing: then the first interface that is up and
+neither loopback nor virtual. A loopback address is refused when the ranks span hosts (known under MPI; without
+MPI each rank compares rank 0's host with its own), and parallel.interface feeds NCCL_SOCKET_IFNAME and
+GLOO_SOCKET_IFNAME unless they are set. Ranks give up dialling it after parallel.connect_timeout_s, naming address
+and port, instead of waiting the collective timeout.
+
+What the rendezvous exposes. Rank 0's TCPStore listens on that one address; the port is one the OS picks. The
 address reaches the other ranks over MPI, or through a file in the run directory created with mode 0600 and
 removed as soon as every rank has connected. Every key of the job lives under a random per-job secret
 (PrefixStore, 128 bits, shared over MPI or inside that file), so a process that connects without it finds none
@@ -19,8 +26,8 @@ What remains: the store has no authentication. Anyone who can reach that address
 connect, set unrelated keys, fill the store's memory or hold connections open (denial of service); and because
 TCPStore answers list_keys to any client, a deliberate one can list every key, secret prefix included, then read
 or overwrite the job's keys. gloo's and NCCL's own connections between ranks are unauthenticated too. Keep the
-job's network private and choose the interface with parallel.master_addr. torchrun launches use torchrun's own
-store (MASTER_ADDR/MASTER_PORT, every interface) and are not covered.
+job's network private and choose the interface with parallel.interface or parallel.master_addr. torchrun
+launches use torchrun's own store (MASTER_ADDR/MASTER_PORT, every interface) and are not covered.
 
 Collectives on host tensors under NCCL. An NCCL group serves only CUDA tensors: a collective on a host tensor
 raises "No backend type associated with device type cpu". hpctrain's control collectives hold host values (the
@@ -39,11 +46,14 @@ CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
 """
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import json
 import logging
 import os
 import secrets
 import socket
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -87,6 +97,7 @@ class Identity:
     launcher: str  # mpi | slurm | submitit | torchrun | single
     job_id: str
     host: str  # the real host name; several Slurm "nodes" may share one in tests
+    num_hosts: int = 0  # distinct real hosts of the job's ranks when known (MPI gathers them), else 0
 
 
 def node_name() -> str:
@@ -129,8 +140,9 @@ def identity_from_env(launcher: str, env: dict[str, str] | os._Environ = os.envi
                     launcher=launcher, job_id=env.get(table["job_id"], _job_id(env)), host=socket.gethostname())
 
 
-def identity_from_node_names(rank: int, names: list[str], launcher: str, job_id: str) -> Identity:
-    """Identity from every rank's node name: nodes numbered in order of their lowest rank."""
+def identity_from_node_names(rank: int, names: list[str], launcher: str, job_id: str,
+                             hosts: list[str] | None = None) -> Identity:
+    """Identity from every rank's node name (and real host name): nodes numbered in order of their lowest rank."""
     order: list[str] = []
     for name in names:
         if name not in order:
@@ -138,7 +150,7 @@ def identity_from_node_names(rank: int, names: list[str], launcher: str, job_id:
     mine = names[rank]
     return Identity(rank=rank, world_size=len(names), local_rank=names[:rank].count(mine),
                     node_index=order.index(mine), node_name=mine, num_nodes=len(order),
-                    launcher=launcher, job_id=job_id, host=socket.gethostname())
+                    launcher=launcher, job_id=job_id, host=socket.gethostname(), num_hosts=len(set(hosts or [])))
 
 
 def _mpi_comm():
@@ -168,9 +180,9 @@ def identify(rendezvous: str = "auto") -> Identity:
     launcher = detect_launcher() if rendezvous == "auto" else rendezvous
     if launcher == "mpi":
         comm = _mpi_comm()
-        names = comm.allgather(node_name())
+        names, hosts = zip(*comm.allgather((node_name(), socket.gethostname())))
         job_id = comm.bcast(_job_id(os.environ), root=0)  # outside Slurm each rank would name its own pid
-        return identity_from_node_names(comm.Get_rank(), names, "mpi", job_id)
+        return identity_from_node_names(comm.Get_rank(), list(names), "mpi", job_id, list(hosts))
     if launcher == "single":
         return Identity(0, 1, 0, 0, node_name(), 1, "single", _job_id(os.environ), socket.gethostname())
     return identity_from_env(launcher)
@@ -196,27 +208,139 @@ def bind_device(ident: Identity, backend: str):
     return dev
 
 
-def _store_address(ident: Identity, master_addr: str) -> str:
-    """Where rank 0's store listens: parallel.master_addr; else loopback when the job has one node; else the
-    address this host's name resolves to."""
-    if master_addr:
-        return master_addr
-    if ident.num_nodes == 1:
-        return "127.0.0.1"
+SIOCGIFFLAGS, SIOCGIFADDR, IFF_UP = 0x8913, 0x8915, 0x1
+# never chosen by themselves: NCCL's default exclusions (lo, docker) and local bridges and pairs
+VIRTUAL_INTERFACES = ("lo", "docker", "virbr", "veth")
+
+
+def host_interfaces() -> dict[str, str]:
+    """Name -> IPv4 address of each interface that is up and has one, in the kernel's order (Linux ioctls)."""
+    table = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req)[16:18])[0]
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24])
+            except OSError:  # no IPv4 address
+                continue
+            if flags & IFF_UP:
+                table[name] = addr
+    return table
+
+
+def resolve_host() -> tuple[str, str | None]:
+    """This host's name and the address it resolves to (None when it does not)."""
+    name = socket.getfqdn()
     try:
-        return socket.gethostbyname(socket.getfqdn())
+        return name, socket.gethostbyname(name)
     except OSError:
-        return "127.0.0.1"
+        return name, None
 
 
-def _listen(addr: str, master_addr: str) -> socket.socket:
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+        except OSError:
+            return False
+
+
+def _fallback_interface(interfaces) -> tuple[str, str] | None:
+    usable = [(n, a) for n, a in interfaces().items() if not n.startswith(VIRTUAL_INTERFACES) and not is_loopback(a)]
+    return usable[0] if usable else None
+
+
+FIX = ("set parallel.interface to the interface the ranks share (e.g. \"ib0\" or the management NIC) or "
+       "parallel.master_addr to an address of rank 0's host that every host reaches")
+
+
+def store_address(spans_hosts: bool, master_addr: str = "", interface: str = "", num_hosts: int = 0,
+                  resolve=resolve_host, interfaces=host_interfaces) -> tuple[str, str]:
+    """(address, where it came from) for rank 0's store, in the order of the module docstring. spans_hosts: the
+    ranks may be on several hosts; num_hosts: how many there are, when known (then loopback is refused)."""
+    if master_addr:
+        addr, source = master_addr, "parallel.master_addr"
+    elif interface:
+        table = interfaces()
+        if interface not in table:
+            have = ", ".join(f"{n} {a}" for n, a in table.items())
+            raise ValueError(f"parallel.interface = {interface!r}: {socket.gethostname()} has no such interface up "
+                             f"with an IPv4 address (it has: {have})")
+        addr, source = table[interface], f"parallel.interface = {interface!r}"
+    elif not spans_hosts:
+        return "127.0.0.1", "every rank on one host"
+    else:
+        name, resolved = resolve()
+        if resolved and not is_loopback(resolved):
+            return resolved, f"host name {name!r}"
+        found = _fallback_interface(interfaces)
+        if found is None:
+            raise ValueError(f"no address of {name} that other hosts reach: its name resolves to "
+                             f"{resolved or 'nothing'} and no interface besides loopback is up; {FIX}")
+        return found[1], f"interface {found[0]} (host name {name!r} resolves to {resolved or 'nothing'})"
+    if num_hosts > 1 and is_loopback(addr):
+        raise ValueError(f"the rendezvous address {addr} ({source}) is loopback, but the job's ranks are on "
+                         f"{num_hosts} hosts: the others cannot reach it; {FIX}")
+    return addr, source
+
+
+def check_reachable(info: dict[str, Any], rank: int, host: str) -> None:
+    """A rank on another host than rank 0 refuses a loopback address at once instead of dialling itself."""
+    if host != info["host"] and is_loopback(info["addr"]):
+        raise ValueError(f"rank {rank} on {host}: rank 0 on {info['host']} published the rendezvous address "
+                         f"{info['addr']}:{info['port']} ({info['source']}), a loopback address no other host "
+                         f"reaches; {FIX}")
+
+
+def feed_socket_ifname(interface: str, spans_hosts: bool, env=os.environ, resolve=resolve_host,
+                       interfaces=host_interfaces) -> dict[str, str]:
+    """Hands parallel.interface to NCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) unless they are set.
+    Without it, on several hosts, gloo gets the fallback interface when this host's name resolves to loopback or
+    nothing: gloo would bind that address, which no other host reaches (NCCL picks its own interface)."""
+    wanted = {}
+    if interface:
+        wanted = {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+    elif spans_hosts and (not (resolved := resolve()[1]) or is_loopback(resolved)):
+        found = _fallback_interface(interfaces)
+        wanted = {"GLOO_SOCKET_IFNAME": found[0]} if found else {}
+    fed = {var: value for var, value in wanted.items() if var not in env}
+    env.update(fed)
+    return fed
+
+
+def _listen(addr: str, source: str) -> socket.socket:
     """A listening socket bound to addr only (TCPStore itself would listen on every interface)."""
     try:
         family = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0][0]
         return socket.create_server((addr, 0), family=family, backlog=1024)
     except OSError as e:
-        raise ValueError(f"rank 0 cannot listen on {addr!r} (parallel.master_addr = {master_addr!r}): {e}; set "
-                         f"parallel.master_addr to an address of this node that the other ranks reach") from None
+        raise ValueError(f"rank 0 cannot listen on {addr!r} ({source}): {e}; {FIX}") from None
+
+
+def _connect(info: dict[str, Any], ident: Identity, timeout: timedelta, connect_timeout_s: int):
+    """A client of rank 0's store, given up after connect_timeout_s with the address and port named; its later
+    requests wait up to the collective timeout."""
+    import torch.distributed as dist
+
+    addr, port = info["addr"], info["port"]
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:  # our own dialling: TCPStore's retries take up to twice its timeout and name no source
+            socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            store = dist.TCPStore(addr, port, ident.world_size, is_master=False,
+                                  timeout=timedelta(seconds=connect_timeout_s))
+            break
+        except (OSError, RuntimeError) as e:  # refused, unreachable, or no answer to the handshake
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"rank {ident.rank} on {ident.host}: cannot reach rank 0's rendezvous store at "
+                                   f"{addr}:{port} ({info['source']}; rank 0 is on {info['host']}) within "
+                                   f"parallel.connect_timeout_s = {connect_timeout_s} s: {e}; {FIX}") from None
+            time.sleep(0.2)
+    store.set_timeout(timeout)
+    return store
 
 
 def _rendezvous_file(ident: Identity, directory: Path) -> Path:
@@ -293,7 +417,7 @@ def emulated_device_backend(config: str) -> str:
 
 
 def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 600, master_addr: str = "",
-                     rendezvous_dir: str | Path | None = None):
+                     rendezvous_dir: str | Path | None = None, *, interface: str = "", connect_timeout_s: int = 60):
     """Starts torch.distributed for this identity and returns the rank's device."""
     import torch
     import torch.distributed as dist
@@ -309,6 +433,9 @@ def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 60
                               "timeout": timeout}
     if backend == "nccl" and not emulate:
         kwargs["device_id"] = device
+    spans_hosts = ident.num_hosts > 1 if ident.num_hosts else ident.num_nodes > 1
+    for var, value in feed_socket_ifname(interface, spans_hosts).items():
+        log.info("rank %d: %s=%s", ident.rank, var, value)
     if ident.launcher == "torchrun":
         dist.init_process_group(init_method="env://", **kwargs)
         return device
@@ -318,18 +445,25 @@ def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 60
     store = None
     info = None
     if ident.rank == 0:
-        # Port 0: the OS picks a free port; wait_for_workers=False or we would block before publishing it.
-        addr = _store_address(ident, master_addr)
-        sock = _listen(addr, master_addr)
-        store = dist.TCPStore(addr, sock.getsockname()[1], ident.world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.detach())
-        info = {"addr": addr, "port": store.port, "host": ident.host, "secret": secrets.token_hex(16)}
+        try:  # a refusal reaches every rank through the publication, so none waits for an address
+            addr, source = store_address(spans_hosts, master_addr, interface, ident.num_hosts)
+            sock = _listen(addr, source)
+        except ValueError as e:
+            info = {"error": str(e)}
+        else:  # port 0: the OS picks a free one; wait_for_workers=False or we would block before publishing it
+            store = dist.TCPStore(addr, sock.getsockname()[1], ident.world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=sock.detach())
+            info = {"addr": addr, "port": store.port, "source": source, "host": ident.host,
+                    "secret": secrets.token_hex(16)}
     rdzv_dir = Path(rendezvous_dir) if rendezvous_dir else None
     info = _publish(ident, info, rdzv_dir, timeout_s)
+    if "error" in info:
+        raise ValueError(info["error"])
     if ident.rank != 0:
-        store = dist.TCPStore(info["addr"], info["port"], ident.world_size, is_master=False, timeout=timeout)
-    log.info("rank %d: store at %s:%s (%s), backend %s", ident.rank, info["addr"], info["port"], ident.launcher,
-             backend)
+        check_reachable(info, ident.rank, ident.host)
+        store = _connect(info, ident, timeout, connect_timeout_s)
+    log.info("rank %d: store at %s:%s (%s, %s), backend %s", ident.rank, info["addr"], info["port"],
+             info["source"], ident.launcher, backend)
     # every key of the job under its secret: a client that connects without it finds none of them by name
     store = dist.PrefixStore(info["secret"], store)
     if ident.launcher != "mpi":

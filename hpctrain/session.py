@@ -143,8 +143,9 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
     ident = rendezvous.identify(cfg.parallel.rendezvous)
     inject_fault("rendezvous", ident.rank)
     rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
-    device = rendezvous.init_distributed(ident, cfg.parallel.backend, cfg.parallel.timeout_s,
-                                         cfg.parallel.master_addr, rdzv_dir)
+    p = cfg.parallel
+    device = rendezvous.init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rdzv_dir,
+                                         interface=p.interface, connect_timeout_s=p.connect_timeout_s)
     failed = False
     try:
         s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank),
