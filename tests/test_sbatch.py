@@ -1,8 +1,9 @@
-"""Pure tests of what `hpctrain submit` would hand to Slurm: the rendered sbatch script against a golden file,
-the submitit parameters, and the CLI's --dry-run / topo / error paths. Nothing is submitted.
+"""Pure tests of what `hpctrain submit` would hand to Slurm: the rendered sbatch scripts of the GPU examples
+against golden files (tests/golden/), the submitit parameters, and the CLI's --dry-run / topo / error paths.
+Nothing is submitted.
 
     .venv/bin/python -m pytest tests/test_sbatch.py -q
-    HPCTRAIN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch.py -q   # rewrite the golden file
+    HPCTRAIN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch.py -q   # rewrite tests/golden/*.sbatch
 
 Read the diff of a rewritten golden file before committing it: it is the script Slurm will run.
 """
@@ -22,25 +23,46 @@ from hpctrain.config import load_config
 EXAMPLES = Path(__file__).resolve().parents[1] / "slurm" / "examples"
 TINY = EXAMPLES / "tiny-cpu.toml"
 GPU = EXAMPLES / "gpu-4x8.toml"
-GOLDEN = Path(__file__).resolve().parent / "golden" / "gpu-4x8.sbatch"
+LLAMA = EXAMPLES / "llama-70b.toml"
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 # Absolute on purpose: submitit makes the log paths absolute against the working directory, so a relative
 # folder would put the checkout's location into the golden file. The CLI passes an absolute folder too.
 FOLDER = "/RUNDIR/submitit"
 
 
+def script(example: Path) -> str:
+    return launch.render_sbatch(load_config(example), FOLDER, python="python3")
+
+
 def gpu_script() -> str:
-    return launch.render_sbatch(load_config(GPU), FOLDER, python="python3")
+    return script(GPU)
 
 
-def test_gpu_sbatch_matches_golden():
-    text = gpu_script()
+@pytest.mark.parametrize("example", [GPU, LLAMA], ids=lambda p: p.stem)
+def test_sbatch_matches_golden(example):
+    text = script(example)
+    golden_path = GOLDEN_DIR / f"{example.stem}.sbatch"
     if os.environ.get("HPCTRAIN_UPDATE_GOLDEN") == "1":
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(text)
-        pytest.skip(f"rewrote {GOLDEN}")
-    golden = GOLDEN.read_text()
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        golden_path.write_text(text)
+        pytest.skip(f"rewrote {golden_path}")
+    golden = golden_path.read_text()
     diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True), "golden", "rendered"))
     assert text == golden, f"rendered sbatch differs (HPCTRAIN_UPDATE_GOLDEN=1 rewrites it):\n{diff}"
+
+
+def test_llama_sbatch_content():
+    """The 128-GPU example line by line: whole nodes with all their memory, no wckey, and the srun line whole."""
+    lines = script(LLAMA).splitlines()
+    directives = [line for line in lines if line.startswith("#SBATCH ")]
+    for expected in ("--nodes=16", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12", "--exclusive",
+                     "--mem=0", "--signal=USR2@600", "--time=2880", "--requeue", "--job-name=llama-70b"):
+        assert f"#SBATCH {expected}" in directives, expected
+    assert not any("wckey" in d for d in directives)
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert srun == ("srun --unbuffered --output /RUNDIR/submitit/%j_%t_log.out --error /RUNDIR/submitit/%j_%t_log.err "
+                    "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none "
+                    "python3 -u -m submitit.core._submit /RUNDIR/submitit")
 
 
 def test_gpu_sbatch_content():
