@@ -28,6 +28,7 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 # Absolute on purpose: submitit makes the log paths absolute against the working directory, so a relative
 # folder would put the checkout's location into the golden file. The CLI passes an absolute folder too.
 FOLDER = "/RUNDIR/submitit"
+IB_HCA = "export NCCL_IB_HCA='=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7'"  # the examples' HCAs
 
 
 def script(example: Path) -> str:
@@ -81,8 +82,7 @@ def test_gpu_sbatch_content():
     # one failed task ends the others at once (user srun_args come after, so they may override it)
     assert "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit " \
         "/RUNDIR/submitit" in line
-    setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5",
-                                      "export OMP_NUM_THREADS=8")]
+    setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", IB_HCA, "export OMP_NUM_THREADS=8")]
     assert setup == sorted(setup)
     assert lines.index(directives[-1]) < setup[0] and setup[-1] < srun[0]
 
@@ -92,7 +92,7 @@ def test_slurm_parameters_for_gpu_example():
         "job_name": "llama-8b", "nodes": 4, "ntasks_per_node": 8, "cpus_per_task": 12, "time": 1440,
         "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--mpi=pmi2",
                                                "--cpu-bind=none"],
-        "setup": ["module load cuda/12.4 nccl", "export NCCL_IB_HCA=mlx5", "export OMP_NUM_THREADS=8"],
+        "setup": ["module load cuda/12.4 nccl", IB_HCA, "export OMP_NUM_THREADS=8"],
         "stderr_to_stdout": False, "wckey": None, "partition": "gpu", "account": "myproject", "qos": "normal",
         "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True, "mem": "0",
         "additional_parameters": {"mail-type": "END,FAIL", "requeue": True},
@@ -207,3 +207,15 @@ def test_mem_rendered(overrides, mem):
     assert launch.slurm_parameters(cfg).get("mem") == mem
     lines = launch.render_sbatch(cfg, FOLDER, python="python3").splitlines()
     assert [x for x in lines if x.startswith("#SBATCH --mem")] == ([f"#SBATCH --mem={mem}"] if mem else [])
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.stem)
+def test_examples_name_ib_hcas_exactly(example):
+    """NCCL_IB_HCA=mlx5 is a prefix match: it takes storage and Ethernet ports too (and mlx5_1 takes mlx5_10).
+    Every GPU example names its HCAs exactly ('=' list) or excludes some exactly ('^=' list)."""
+    cfg = load_config(example)
+    values = [line.split("=", 1)[1].strip("'\"") for line in cfg.job.setup if line.startswith("export NCCL_IB_HCA=")]
+    if cfg.job.gpus_per_node:
+        assert values, f"{example.name}: no NCCL_IB_HCA (NCCL would take every IB device)"
+    for value in values:
+        assert value.startswith(("=", "^=")), f"{example.name}: NCCL_IB_HCA={value} is a prefix match"
