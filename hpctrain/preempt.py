@@ -1,5 +1,6 @@
 """Preemption: Slurm's warning signal (USR2, as submitit asks sbatch for; SIGTERM where sites send that) sets a
-flag; the ranks agree on it at the next step boundary with one all-reduce, save, and rank 0 requeues the job.
+flag; the ranks agree on it at the next step boundary with one all-reduce, save, and rank 0 requeues the job,
+unless Slurm is ending it already (a user's plain scancel also sends SIGTERM: see requeue()).
 
     flag = process_flag()              # first thing in the rank: installs the handlers (replacing submitit's)
     stop, save_now, writing = flag.poll()   # collective: every rank calls it after the same step
