@@ -175,11 +175,44 @@ def abort_launch(code: int = 1) -> None:
         sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
+# Where a launcher states how many ranks it started, checked against MPI's own count by identify().
+WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _slurm_started_ranks(env) -> bool:
+    """Slurm itself started the MPI ranks (srun's PMI: PMI_JOBID "<job>.<step>", PMIX_NAMESPACE "slurm.pmix...",
+    or no MPI launcher's variables at all), so SLURM_NTASKS counts them. mpiexec/mpirun inside an allocation
+    start their proxies as a Slurm step: their ranks inherit its counts (mpiexec -n 4 in salloc -N2 -n4 sees
+    SLURM_NTASKS=2)."""
+    step = f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}"
+    if env.get("PMI_JOBID") == step or env.get("PMIX_NAMESPACE", "").startswith("slurm"):
+        return True
+    mpi_vars = {v for markers in LAUNCHER_MARKERS["mpi"] for v in markers} | set(WORLD_SIZE_VARS)
+    return not mpi_vars & set(env)
+
+
+def check_mpi_world(mpi_size: int, env=os.environ) -> None:
+    """Refuses an MPI world smaller or larger than the launcher started: an MPI that does not speak the process
+    manager's interface (Open MPI 5 under srun --mpi=pmi2) makes every task rank 0 of 1, each training alone."""
+    said = {v: env[v] for v in WORLD_SIZE_VARS if v in env}
+    if "SLURM_NTASKS" in env and _slurm_started_ranks(env):
+        said["SLURM_NTASKS"] = env["SLURM_NTASKS"]
+    if any(n.strip() != str(mpi_size) for n in said.values()):
+        counts = ", ".join(f"{v} = {n}" for v, n in said.items())
+        raise ValueError(f"MPI started this process in a world of {mpi_size} rank(s), but the launcher started "
+                         f"{counts}: this MPI does not speak the launcher's process-management interface, so the "
+                         f"tasks do not find each other (e.g. srun --mpi=pmi2 with Open MPI 5, which has no PMI2). "
+                         f"Launch with the srun MPI plugin your MPI speaks (`srun --mpi=list`; pmix for Open MPI): "
+                         f'job.mpi = "pmix" under hpctrain submit, --mpi=pmix in your own srun line; or let Slurm '
+                         f'hand out identity without MPI: parallel.rendezvous = "slurm"')
+
+
 def identify(rendezvous: str = "auto") -> Identity:
     """Works out this process's identity without touching torch.distributed."""
     launcher = detect_launcher() if rendezvous == "auto" else rendezvous
     if launcher == "mpi":
         comm = _mpi_comm()
+        check_mpi_world(comm.Get_size())  # first: a lone task would pass every collective below
         names, hosts = zip(*comm.allgather((node_name(), socket.gethostname())))
         job_id = comm.bcast(_job_id(os.environ), root=0)  # outside Slurm each rank would name its own pid
         return identity_from_node_names(comm.Get_rank(), list(names), "mpi", job_id, list(hosts))

@@ -154,3 +154,52 @@ def test_address_file_is_private_from_creation(tmp_path):
     (path,) = tmp_path.glob("rendezvous-*")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert rendezvous._publish(ranks[1], None, tmp_path, 5) == info
+
+
+# --- MPI world against the launcher's count (identify() under MPI) ----------------------------------------------
+# Environments as measured on the local cluster (Slurm 22.05, MPICH 5): srun --mpi=pmi2 exports PMI_JOBID
+# "<job>.<step>"; mpiexec inside `salloc -N2 -n4` starts its proxies as a Slurm step of 2 tasks, so its 4 ranks
+# see SLURM_NTASKS=2 beside Hydra's PMI_SIZE=4.
+
+SRUN_PMI2 = {"SLURM_JOB_ID": "93", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "PMI_RANK": "1",
+             "PMI_SIZE": "2", "PMI_JOBID": "93.0", "PMI_FD": "11"}
+SRUN_NONE = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+SRUN_PMIX = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "PMIX_RANK": "3",
+             "PMIX_NAMESPACE": "slurm.pmix.7.0"}
+HYDRA_IN_SLURM = {"SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+                  "PMI_RANK": "1", "PMI_SIZE": "4", "PMI_FD": "6", "PMI_HOSTNAME": "n1", "MPI_LOCALNRANKS": "2"}
+MPIRUN_IN_SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "OMPI_COMM_WORLD_RANK": "0",
+                   "OMPI_COMM_WORLD_SIZE": "8", "PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-n1-1234@1"}
+HYDRA = {"PMI_RANK": "0", "PMI_SIZE": "4", "PMI_FD": "5"}
+FIX = ['job.mpi = "pmix"', "srun --mpi=list", 'parallel.rendezvous = "slurm"']
+
+
+@pytest.mark.parametrize("env, mpi_size, said", [
+    (SRUN_PMI2, 2, None),
+    (SRUN_PMI2, 1, ["PMI_SIZE = 2", "SLURM_NTASKS = 2"]),       # Open MPI 5 under srun --mpi=pmi2: singletons
+    (SRUN_NONE, 2, None),                                      # parallel.rendezvous = "mpi" under srun
+    (SRUN_NONE, 1, ["SLURM_NTASKS = 2"]),                      # ... with --mpi=none: singletons
+    (SRUN_PMIX, 8, None),
+    (SRUN_PMIX, 1, ["SLURM_NTASKS = 8"]),
+    (HYDRA_IN_SLURM, 4, None),                                 # mpiexec's count rules, not its proxies' step
+    (HYDRA_IN_SLURM, 1, ["PMI_SIZE = 4"]),
+    (MPIRUN_IN_SLURM, 8, None),
+    (MPIRUN_IN_SLURM, 1, ["OMPI_COMM_WORLD_SIZE = 8"]),
+    (HYDRA, 4, None),
+    ({}, 1, None),                                             # no launcher at all: a singleton is the job
+    (HYDRA | {"PMI_SIZE": "1", "SLURM_NTASKS": "2"}, 1, None),  # mpiexec -n 1 inside an allocation of 2 tasks
+], ids=["pmi2", "pmi2_singletons", "none", "none_singletons", "pmix", "pmix_singleton", "hydra_in_slurm",
+        "hydra_broken", "mpirun_in_slurm", "mpirun_broken", "hydra", "nothing", "mpiexec_n1_in_allocation"])
+def test_mpi_world_against_launcher(env, mpi_size, said):
+    from hpctrain.rendezvous import check_mpi_world
+
+    if said is None:
+        check_mpi_world(mpi_size, env)
+        return
+    with pytest.raises(ValueError) as info:
+        check_mpi_world(mpi_size, env)
+    msg = str(info.value)
+    for fragment in [f"{mpi_size} rank"] + said + FIX:
+        assert fragment in msg, (fragment, msg)
+    if "SLURM_NTASKS" not in " ".join(said):
+        assert "SLURM_NTASKS" not in msg
