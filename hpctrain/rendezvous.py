@@ -232,7 +232,12 @@ def choose_backend(requested: str) -> str:
 
 
 def bind_device(ident: Identity, backend: str):
-    """The rank's device: its local GPU for NCCL (local_rank modulo the visible GPUs), else the CPU."""
+    """The rank's device, made current: the CPU without NCCL; else the GPU at local_rank modulo the GPUs this
+    process sees. One GPU per task (srun --gpus-per-task=1 or --gpu-bind, CUDA_VISIBLE_DEVICES=3): cuda:0; every
+    GPU of the node visible: cuda:<local rank>; a socket's GPUs shared by its tasks (--gpu-bind=closest, block
+    distribution): the task's place among them. local_rank is LOCAL_RANK under torchrun (inside srun too),
+    SLURM_LOCALID under srun, the rank's place on its node under MPI. More tasks than GPUs would share one,
+    which NCCL refuses at init ("Duplicate GPU detected")."""
     import torch
     if backend != "nccl":
         return torch.device("cpu")

@@ -203,3 +203,65 @@ def test_mpi_world_against_launcher(env, mpi_size, said):
         assert fragment in msg, (fragment, msg)
     if "SLURM_NTASKS" not in " ".join(said):
         assert "SLURM_NTASKS" not in msg
+
+
+# --- device selection (bind_device): mocked GPU count, no GPU needed -------------------------------------------
+
+NODE_OF_8 = {"SLURM_NTASKS": "8", "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "9"}
+TORCHRUN_4 = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "r", "MASTER_ADDR": "n1",
+              "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, gpus_on_node, expected", [
+    # srun with one GPU per task (--gpus-per-task=1 or --gpu-bind): the task sees only its own, as device 0
+    (NODE_OF_8 | {"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "3"}, 4, 0),
+    (NODE_OF_8 | {"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "0"}, 4, 0),  # cgroup-renamed
+    (NODE_OF_8 | {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "GPU-5e1f"}, 4, 0),  # by UUID
+    # srun with every GPU of the node visible to every task (--gpus-per-node): the local rank's
+    (NODE_OF_8 | {"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4, 3),
+    (NODE_OF_8 | {"SLURM_PROCID": "6", "SLURM_LOCALID": "2"}, 4, 2),  # no CUDA_VISIBLE_DEVICES at all
+    # --gpu-bind=closest, two tasks per socket: each pair shares its socket's two GPUs
+    (NODE_OF_8 | {"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "2,3"}, 4, 1),
+    (NODE_OF_8 | {"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "2,3"}, 4, 0),
+    # srun torchrun: one srun task per node (SLURM_LOCALID 0) runs 4 workers; LOCAL_RANK is the worker's
+    (NODE_OF_8 | TORCHRUN_4 | {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "RANK": "6", "LOCAL_RANK": "2",
+                               "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4, 2),
+    (TORCHRUN_4 | {"RANK": "5", "LOCAL_RANK": "1"}, 8, 1),  # torchrun alone, more GPUs than workers
+], ids=["per_task", "per_task_cgroup", "per_task_uuid", "all_visible", "all_unset", "closest_second",
+        "closest_first", "srun_torchrun", "torchrun"])
+def test_bind_device(env, gpus_on_node, expected, monkeypatch):
+    import torch
+
+    from hpctrain import rendezvous
+
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    count = len(visible.split(",")) if visible is not None else gpus_on_node  # what CUDA would count
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    ident = identity_from_env(detect_launcher(env), env)
+    assert rendezvous.bind_device(ident, "nccl") == torch.device("cuda", expected)
+    assert chosen == [torch.device("cuda", expected)]  # and made current before NCCL starts
+
+
+@pytest.mark.parametrize("visible, expected", [("0,1,2,3", [0, 1, 2, 3, 0, 1, 2, 3]), ("5", [0] * 8)])
+def test_bind_device_under_mpi(visible, expected, monkeypatch):
+    """srun --mpi=pmi2, 2 nodes x 4 tasks: the local rank comes from the gathered node names."""
+    import torch
+
+    from hpctrain import rendezvous
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible.split(",")))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    names = ["n1"] * 4 + ["n2"] * 4
+    got = [rendezvous.bind_device(identity_from_node_names(r, names, "mpi", "j"), "nccl").index for r in range(8)]
+    assert got == expected
+
+
+def test_bind_device_cpu_backends(monkeypatch):
+    import torch
+
+    from hpctrain import rendezvous
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device under gloo"))
+    assert rendezvous.bind_device(identity_from_env("slurm", SLURM), "gloo") == torch.device("cpu")
