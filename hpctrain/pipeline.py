@@ -167,12 +167,15 @@ def _timed_stage_class():
 
     class TimedStage(PipelineStage):
         """A PipelineStage that adds up the time its compute takes (forward, backward, weight gradients);
-        what remains of a step is the bubble plus communication. CUDA events on a GPU."""
+        what remains of a step is the bubble plus communication. CUDA events on a GPU. Only while `timing`:
+        Pipeline.step turns it on for the steps it times."""
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.busy_s, self._events = 0.0, []
+            self.busy_s, self._events, self.timing = 0.0, [], True
 
         def _timed(self, fn, *args, **kwargs):
+            if not self.timing:
+                return fn(*args, **kwargs)
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -211,7 +214,8 @@ class Pipeline:
     """This rank's stages and the schedule that drives them. `step(x, y)` runs one pipelined forward and
     backward over `microbatches` equal slices of the batch (gradients averaged over them); it returns the
     per-micro-batch losses on the rank that runs the last stage, None elsewhere. `timing()` gives the compute
-    and wall seconds of the steps since the last call."""
+    and wall seconds of the timed steps since the last call; `step(x, y, timed=False)` leaves a step out of it and
+    does without the barriers and device synchronisation that timing takes."""
 
     def __init__(self, plan: StagePlan, parts: list[nn.Module], pp_rank: int, group, device: torch.device,
                  microbatches: int, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
@@ -230,11 +234,16 @@ class Pipeline:
         self.busy_s = self.wall_s = 0.0
         self.steps = 0
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, timed: bool = True) -> list[torch.Tensor] | None:
         import torch.distributed as dist
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        for st in self.stages:
+            st.timing = timed
+        if not timed:
+            self.schedule.step(*args, **kwargs)
+            return losses if self.last else None
         # The step is timed between barriers of the pp group, the same window on every stage: the last stage
         # finishes its own work before the first stage's final backward, and that wait belongs to its bubble.
         # (The ranks meet right after anyway, in the gradient-norm all-reduce.)

@@ -51,6 +51,11 @@ def apply_tf32(enabled: bool, device: torch.device) -> bool:
     return bool(setting)
 
 
+def host_values(row: dict[str, Any]) -> dict[str, Any]:
+    """A step's row with its device scalars read into Python numbers: a host sync."""
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+
+
 class Trainer:
     def __init__(self, cfg: Config, s: session.Session) -> None:
         self.cfg, self.s, self.device = cfg, s, s.device
@@ -73,6 +78,7 @@ class Trainer:
                                        cfg.train.seed)
         self.step = 0
         self.tokens_seen = 0
+        self.sync_steps = True  # train_step reads its metrics to the host every step; fit() only on log steps
         self.dp_group = s.mesh.group("dp")
         self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
         self.pipe = None
@@ -100,23 +106,37 @@ class Trainer:
         """The last stage's loss of one micro-batch; the schedule averages gradients over micro-batches."""
         return self.scaler.scale_loss(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
 
-    def _pipeline_forward_backward(self) -> torch.Tensor:
-        """All grad_accum micro-batches through the pipeline; returns the mean loss on every pp rank."""
+    def _pipeline_forward_backward(self, timed: bool) -> torch.Tensor:
+        """All grad_accum micro-batches through the pipeline; returns the mean loss on every pp rank. Timing the
+        schedule (for the bubble) synchronises the pp group and the device: `timed` on log steps only."""
         accum = self.cfg.train.grad_accum
         batches = [self.loader.next_batch() for _ in range(accum)]  # every stage reads: same position
         x, y = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*batches))
         loss = torch.zeros((), device=self.device)
         with self.pm.sync(True), self._loss_ctx(), self._autocast():
-            losses = self.pipe.step(x, y)
+            losses = self.pipe.step(x, y, timed=timed)
         if losses is not None:
             total = sum((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float() for t in losses)
             loss = total / (accum * self.scaler.scale)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's ranks add a non-zero loss
         return loss
 
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step over grad_accum micro-batches; returns this step's metrics (dp-averaged loss)."""
-        accum = self.cfg.train.grad_accum
+    def log_step(self, step: int) -> bool:
+        """Whether `step` is logged: every train.log_every steps, the first and the last."""
+        return step % self.cfg.train.log_every == 0 or step in (1, self.cfg.train.steps)
+
+    def train_step(self, sync: bool | None = None) -> dict[str, Any]:
+        """One optimizer step over grad_accum micro-batches; returns this step's metrics (dp-averaged loss).
+
+        Without sync nothing here waits for the device, so the host runs ahead: "loss" (float64, the dp mean)
+        and "grad_norm" stay device tensors (host_values reads them), and the pipeline's step is not timed. The
+        one exception is the non-finite check when the optimizer cannot skip on the device (_optimizer_step).
+        By default a step syncs when sync_steps is set (callers that step by hand get host values) or when it is
+        a log step: fit() clears sync_steps for its loop."""
+        t = self.cfg.train
+        if sync is None:
+            sync = self.sync_steps or self.log_step(self.step + 1)
+        accum = t.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for k in range(accum if self.pipe is None else 0):
@@ -129,22 +149,43 @@ class Trainer:
                 self.scaler.scale_loss(loss).backward()
             loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
         if self.pipe is not None:
-            loss_sum = self._pipeline_forward_backward()
-        finite = self.scaler.unscale_and_check(self.params, self.device)
-        norm = (optim.clip_grad_norm(self.params, self.cfg.train.grad_clip, self.pp_group) if finite
-                else torch.tensor(float("inf")))
-        # torchtitan's rule: never let a non-finite gradient reach the weights
-        skipped = not (finite and torch.isfinite(norm))
-        if not skipped:
-            self.optimizer.step()
-        self.scaler.update(not skipped)
+            loss_sum = self._pipeline_forward_backward(timed=sync)
+        finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
+        norm = optim.grad_norm(self.params, self.pp_group) if finite else torch.full((), float("inf"))
+        if t.grad_clip > 0 and finite:
+            # optim.clip_grad_norm would first ask torch.isfinite(norm) on the host; a non-finite norm zeroes (inf)
+            # or poisons (nan) the gradients of a step that is skipped anyway
+            for group in optim._groups(self.params):
+                torch.nn.utils.clip_grads_with_norm_(group, t.grad_clip, norm, foreach=True)
+        skipped = self._optimizer_step(norm, finite)
+        if self.scaler.enabled:
+            self.scaler.update(not skipped)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += self.global_batch * self.cfg.data.seq_len
-        dist.all_reduce(loss_sum, group=self.dp_group)
-        return {"step": self.step, "loss": loss_sum.item() / self.s.mesh.layout.dp, "grad_norm": norm.item(),
-                "lr": lr, "skipped": skipped, "loss_scale": self.scaler.scale}
+        dist.all_reduce(loss_sum, group=self.dp_group)  # on the device: no host sync
+        # in float64, read or not: the same number as loss_sum.item() / dp
+        row = {"step": self.step, "loss": loss_sum.double() / self.s.mesh.layout.dp, "grad_norm": norm, "lr": lr,
+               "skipped": skipped, "loss_scale": self.scaler.scale}
+        return host_values(row) if sync else row
+
+    def _optimizer_step(self, norm: torch.Tensor, finite: bool) -> bool | torch.Tensor:
+        """torchtitan's rule: never let a non-finite gradient reach the weights. Returns whether the step was skipped.
+
+        An optimizer that takes found_inf (fused AdamW) decides on the device: its kernel leaves weights, moments
+        and step counts alone, and "skipped" stays a device tensor. The others (foreach AdamW, ZeRO-1's wrapper)
+        cannot skip on the device, so the host reads the norm's finiteness: one host sync per step, the only one
+        of a step without logging. With fp16 the scaler has read its overflow flag already (finite)."""
+        if finite and getattr(self.optimizer, "_step_supports_amp_scaling", False) and not self.scaler.enabled:
+            found_inf = (~torch.isfinite(norm)).float()
+            self.optimizer.found_inf = found_inf
+            self.optimizer.step()
+            return found_inf.bool()
+        skipped = not (finite and bool(torch.isfinite(norm)))  # the documented host sync
+        if not skipped:
+            self.optimizer.step()
+        return skipped
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _state(self, saved_world: int | None = None) -> dict[str, Any]:
@@ -224,6 +265,7 @@ class Trainer:
             return self._fit(mgr, mlog)  # waits for its own saves
         finally:
             mgr.close()  # the directory lock
+            self.sync_steps = True
 
     def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog) -> dict[str, Any]:
         t = self.cfg.train
@@ -235,15 +277,23 @@ class Trainer:
         memory = metrics.reset_peak_memory(self.device)  # initialisation is over: the peak from here is training's
         profiler = self._profiler()
         last: dict[str, Any] = {}
-        losses = []
+        losses: list[float] = []
+        pending: list[torch.Tensor] = []  # device losses of the steps since the last log step
+        steps_run = 0
         tick, tokens_at_tick = time.time(), self.tokens_seen
         every = self.cfg.checkpoint.every_steps
         # a signal during start-up or the resume: stop before training; what was resumed is already on disk
         preempted = flag.poll(self.device)[0]
+        self.sync_steps = False  # the host reads the device on log steps only
         while self.step < t.steps and not preempted:
             row = self.train_step()
-            losses.append(row["loss"])
-            if self.pipe is not None and len(losses) == 1:
+            log_step = self.log_step(self.step)
+            pending.append(row["loss"])
+            if log_step:
+                losses += self._read_losses(pending)
+                pending = []
+            steps_run += 1
+            if self.pipe is not None and steps_run == 1:
                 self.pipe.timing()  # the first step infers shapes across stages: not part of the bubble
             if profiler is not None:
                 profiler.step()
@@ -260,7 +310,7 @@ class Trainer:
                     self.save(mgr, asynchronous=self.cfg.checkpoint.async_save)
                 except NoSpace as e:  # a periodic save may wait for space; the final and preemption ones may not
                     log.warning("periodic checkpoint skipped: %s", e)
-            if self.step % t.log_every == 0 or self.step in (1, t.steps):
+            if log_step:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.time() - tick
@@ -275,6 +325,7 @@ class Trainer:
                     log.info("%s", mlog.progress(row))
                 tick, tokens_at_tick = time.time(), self.tokens_seen
                 last = row
+        losses += self._read_losses(pending)  # a preemption stops between log steps
         if profiler is not None:
             profiler.stop()
         mgr.wait()
@@ -293,6 +344,13 @@ class Trainer:
             out["requeue"] = preempt.requeue()
             log.info("preempted at step %d: checkpoint committed, %s", self.step, out["requeue"])
         return out
+
+    @staticmethod
+    def _read_losses(values: list) -> list[float]:
+        """Per-step losses as floats: device tensors read in one transfer, floats (a synced step's) kept."""
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        read = iter(torch.stack(tensors).tolist() if tensors else [])
+        return [next(read) if isinstance(v, torch.Tensor) else v for v in values]
 
     def pipeline_summary(self) -> dict[str, Any]:
         """Per pp rank: mean step time (schedule only, first step excluded), compute time, and the idle share
