@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 from typing import TYPE_CHECKING, Any
@@ -112,8 +113,9 @@ def requeue() -> str:
     if isinstance(show, str) or show.returncode:
         why = show if isinstance(show, str) else f"scontrol show job {job}: {show.stderr.strip()}"
         return f"job {job} not requeued: {why}; {resume}"
-    fields = dict(w.split("=", 1) for w in show.stdout.split() if "=" in w)
-    state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
+    # first match: later fields (Comment, Command, WorkDir) may hold anything
+    state, reason = (m.group(1) if (m := re.search(rf"\b{key}=(\S+)", show.stdout)) else "?"
+                     for key in ("JobState", "Reason"))
     if state != "RUNNING":
         return (f"job {job} not requeued: Slurm is ending it (JobState={state} Reason={reason}: a user's scancel, "
                 f"or the time limit); {resume}")

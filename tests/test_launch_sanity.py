@@ -1,5 +1,6 @@
-"""Launch sanity against what real sites do: the srun MPI plugin checked against the site's own list, and
-requeue() deciding from the job's state whether a signal was a preemption or a user's scancel.
+"""Launch sanity against what real sites do: the srun MPI plugin checked against the site's own list, threads per
+rank from the affinity mask, and requeue() deciding from the job's state whether a signal was a preemption or a
+user's scancel (and saying so when there is no scontrol).
 
     .venv/bin/python -m pytest tests/test_launch_sanity.py -q     # the slurm-marked tests need slurm/cluster.sh up
 
@@ -103,6 +104,34 @@ def test_cpu_threads_from_the_affinity_mask(monkeypatch, host_cpus, mask, ranks,
     monkeypatch.setattr(session.os, "cpu_count", lambda: host_cpus)
     monkeypatch.setattr(session.os, "sched_getaffinity", lambda pid: set(mask))
     assert session.cpu_threads(ranks) == threads
+
+
+# --- requeue(): preemption or a user's scancel ------------------------------------------------------------
+
+@pytest.mark.parametrize("state, reason, requeued", [
+    ("RUNNING", "None", True),         # preemption GraceTime, scancel --signal=USR2, the USR2@N time warning
+    ("COMPLETING", "None", False),     # a plain scancel (measured: COMPLETING before the tasks get SIGTERM)
+    ("COMPLETING", "TimeLimit", False),  # the time limit itself
+])
+def test_requeue_decides_from_the_job_state(monkeypatch, tmp_path, state, reason, requeued):
+    """The decision alone, with a stand-in scontrol printing what Slurm 22.05 printed in each case (the real
+    thing: tests/test_slurm.py::test_scancel_saves_and_is_not_requeued)."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
+                    f"[ \"$1\" = show ] && echo 'JobId=4242 JobName=x JobState={state} Reason={reason} Restarts=0'\n"
+                    "exit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    msg = preempt.requeue()
+    asked = calls.read_text().splitlines()
+    if requeued:
+        assert msg == "requeued job 4242" and asked == ["show job -o 4242", "requeue 4242"]
+    else:
+        assert msg.startswith("job 4242 not requeued") and f"JobState={state} Reason={reason}" in msg
+        assert asked == ["show job -o 4242"]
 
 
 # --- requeue() in a container without scontrol ------------------------------------------------------------
