@@ -92,7 +92,7 @@ def _rank_pid(job_id: str, rank: int) -> int | None:
 
 def test_kill_9_during_save_resumes_from_last_committed(slurm_cluster, tmp_path) -> None:
     sets = ["--set", "train.steps=8", "--set", "train.log_every=1", "--set", "checkpoint.every_steps=3",
-            "--set", "model.dim=256", "--set", "job.srun_args=['--mpi=pmi2', '--kill-on-bad-exit=1']",
+            "--set", "model.dim=256",
             "--set", "parallel.timeout_s=60", "--set", "job.wait_timeout_s=10"]
     cmd = [tool("hpctrain"), "submit", str(EXAMPLE), "--wait", *sets, "--set", f"job.run_root={tmp_path / 'a'}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_venv(),
