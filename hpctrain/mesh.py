@@ -4,7 +4,8 @@ process groups.
 Ranks are laid out as a (pp, dp, tp) grid with tp innermost, rank = (pp_rank * dp + dp_rank) * tp + tp_rank,
 so with Slurm's block placement a tp group is a run of neighbouring ranks on one node (NVLink) while pp and dp
 groups stride across nodes (InfiniBand). The arithmetic needs no processes; `build_mesh` needs an initialised
-torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp") plus a node mesh ("inter", "intra").
+torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp"); the node mesh ("inter", "intra") is built
+when a payload first asks for one of its groups (the benchmark does; training does not).
 """
 from __future__ import annotations
 
@@ -145,7 +146,9 @@ class Mesh:
     """Process groups of a running job. Pass it (or one of its groups) to whatever communicates."""
     layout: Layout
     device_mesh: Any  # torch DeviceMesh, axes ("pp", "dp", "tp")
-    node_mesh: Any  # torch DeviceMesh, axes ("inter", "intra")
+    node_of_rank: Sequence[int] = ()
+    node_mesh: Any = None  # torch DeviceMesh, axes ("inter", "intra"): built by the first request for its groups
+    node_checks: dict[str, Any] | None = None  # check_groups of the node axes, once built
 
     def group(self, axis: str):
         import torch.distributed as dist
@@ -154,32 +157,54 @@ class Mesh:
         if axis in AXES:
             return self.device_mesh.get_group(axis)
         if axis in NODE_AXES:
-            return self.node_mesh.get_group(axis)
+            return self._node_mesh().get_group(axis)
         raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
 
     def members(self, axis: str, rank: int) -> list[int]:
-        import torch.distributed as dist
+        """The ranks of `rank`'s group along axis, from the arithmetic alone (no group is built)."""
         if axis == "world":
             return list(range(self.layout.world_size))
         if axis in AXES:
             return self.layout.group(rank, axis)
-        return dist.get_process_group_ranks(self.node_mesh.get_group(axis))
+        if axis in NODE_AXES:
+            per_node = node_members(self.node_of_rank)
+            mine = per_node[self.node_of_rank[rank]]
+            return mine if axis == "intra" else [ranks[mine.index(rank)] for ranks in per_node]
+        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
+
+    def _node_mesh(self):
+        """The per-node groups, built on the first request and checked like the others. Collective: every rank
+        asks at the same point, as the benchmark does (--group intra/inter, the two-level all-reduce). Training
+        never asks, so its ranks hold no communicator it does not use (each NCCL one costs device memory)."""
+        if self.node_mesh is None:
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device_type = self.device_mesh.device_type
+            self.node_mesh = DeviceMesh(device_type, torch.tensor(node_members(self.node_of_rank)),
+                                        mesh_dim_names=NODE_AXES)
+            self.node_checks = check_groups(self, dist.get_rank(), torch.device(device_type), NODE_AXES)
+            if not self.node_checks["ok"]:
+                raise RuntimeError("group checks failed:\n" + "\n".join(self.node_checks["failures"]))
+        return self.node_mesh
 
 
 def build_mesh(layout: Layout, node_of_rank: Sequence[int], device_type: str) -> Mesh:
-    """Creates every group; all ranks must call it with the same arguments (checked topology first)."""
+    """Creates the (pp, dp, tp) groups; all ranks must call it with the same arguments (checked topology first).
+    The per-node groups wait for their first use (Mesh.group)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     check_topology(layout, node_of_rank)
     # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl")
     device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=AXES)
-    node_mesh = DeviceMesh(device_type, torch.tensor(node_members(node_of_rank)), mesh_dim_names=NODE_AXES)
-    return Mesh(layout, device_mesh, node_mesh)
+    return Mesh(layout, device_mesh, list(node_of_rank))
 
 
-def verify_mesh(mesh: Mesh, rank: int, device: Any) -> dict[str, dict[str, Any]]:
-    """Checked all-reduce on the world and on every axis group.
+def verify_mesh(mesh: Mesh, rank: int, device: Any, axes: Sequence[str] = ("world",) + AXES
+                ) -> dict[str, dict[str, Any]]:
+    """Checked all-reduce on each axis group (the world and the (pp, dp, tp) axes unless told).
 
     Each rank adds a one-hot vector at its own rank, so the sum is 1 exactly at the group's members: a group
     with a wrong member, a missing member or a broken link shows up as a wrong vector.
@@ -189,7 +214,7 @@ def verify_mesh(mesh: Mesh, rank: int, device: Any) -> dict[str, dict[str, Any]]
 
     world = mesh.layout.world_size
     results = {}
-    for axis in ("world",) + AXES + NODE_AXES:
+    for axis in axes:
         members = mesh.members(axis, rank)
         x = torch.zeros(world, dtype=torch.float32, device=device)
         x[rank] = 1.0
@@ -198,3 +223,16 @@ def verify_mesh(mesh: Mesh, rank: int, device: Any) -> dict[str, dict[str, Any]]
         ok = got == sorted(members) and float(x.sum().item()) == len(members)
         results[axis] = {"members": members, "got": got, "ok": ok}
     return results
+
+
+def check_groups(mesh: Mesh, rank: int, device: Any, axes: Sequence[str] = ("world",) + AXES) -> dict[str, Any]:
+    """verify_mesh on every rank, the verdicts gathered on all ranks: every rank sees the same failures."""
+    import torch.distributed as dist
+
+    mine = verify_mesh(mesh, rank, device, axes)
+    every: list[Any] = [None] * mesh.layout.world_size
+    dist.all_gather_object(every, mine)
+    bad = [f"rank {r} axis {axis}: expected {res['members']} got {res['got']}"
+           for r, checks in enumerate(every) for axis, res in checks.items() if not res["ok"]]
+    groups = {axis: sorted({tuple(c[axis]["members"]) for c in every}) for axis in mine}
+    return {"ok": not bad, "failures": bad, "groups": {a: [list(g) for g in gs] for a, gs in groups.items()}}

@@ -64,17 +64,6 @@ def _agree_run_dir(cfg: Config, run_dir: Path | None, rank: int) -> Path:
     return box[0]
 
 
-def check_groups(mesh_: mesh.Mesh, rank: int, device: torch.device) -> dict[str, Any]:
-    """Runs mesh.verify_mesh on every rank and gathers the verdicts on all ranks."""
-    mine = mesh.verify_mesh(mesh_, rank, device)
-    every: list[Any] = [None] * mesh_.layout.world_size
-    dist.all_gather_object(every, mine)
-    bad = [f"rank {r} axis {axis}: expected {res['members']} got {res['got']}"
-           for r, checks in enumerate(every) for axis, res in checks.items() if not res["ok"]]
-    axes = {axis: sorted({tuple(c[axis]["members"]) for c in every}) for axis in mine}
-    return {"ok": not bad, "failures": bad, "groups": {a: [list(g) for g in gs] for a, gs in axes.items()}}
-
-
 def cpu_threads(ranks_on_host: int) -> int:
     """Intra-op threads per rank: OMP_NUM_THREADS when set, else the CPUs this process may run on (its affinity
     mask, not the host's count: Slurm, cgroups and containers narrow it), shared with the host's other ranks.
@@ -109,11 +98,11 @@ def _build_mesh(s: Session) -> None:
         for line in mesh.format_rank_map(layout, rows).splitlines():
             log.info("%s", line)
     s.mesh = mesh.build_mesh(layout, node_of_rank, s.device.type)
-    checks = check_groups(s.mesh, s.rank, s.device)
+    checks = mesh.check_groups(s.mesh, s.rank, s.device)
     s.summary["checks"] = checks
     if not checks["ok"]:
         raise RuntimeError("group checks failed:\n" + "\n".join(checks["failures"]))
-    log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES + mesh.NODE_AXES))
+    log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES))
 
 
 def inject_fault(point: str, rank: int) -> None:
@@ -169,6 +158,8 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
             log.error("%s", s.summary["error"])
             raise
         finally:
+            if s.mesh is not None and s.mesh.node_checks:  # node groups the payload asked for, checked then
+                s.summary["checks"]["groups"].update(s.mesh.node_checks["groups"])
             s.summary["elapsed_s"] = round(time.time() - t0, 3)
             if ident.rank == 0:
                 runs.write_json(s.run_dir / "summary.json", s.summary)

@@ -104,6 +104,8 @@ def test_training_saves_and_resumes_with_every_group_serving_host_tensors(ranks)
         # the world, the mesh's own pp and tp groups (its dp group of 2 is the world) and the async checkpoint group
         assert {"default_pg", "mesh_pp", "mesh_tp"} <= {g["desc"] for g in groups} and len(groups) >= 4, groups
         assert not [g for g in groups if "cpu" not in g["devices"]], groups
+        # no per-node groups: training never uses them, and each NCCL communicator costs device memory
+        assert not [g for g in groups if g["desc"] in ("mesh_intra", "mesh_inter")], groups
 
 
 # --- the worker (one rank) -----------------------------------------------------------------------------------

@@ -184,3 +184,22 @@ def test_format_rank_map_content():
     assert lines[2 + 5].split() == ["5", "node1", "1", "1", "0", "1", "[4,5]", "[5,7]", "[1,5]"]
     assert lines[2 + 0].split() == ["0", "node0", "0", "0", "0", "0", "[0,1]", "[0,2]", "[0,4]"]
     assert all(line == line.rstrip() for line in lines)
+
+
+# --- node groups: members without processes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("node_of_rank, intra, inter", [
+    ([0, 0, 1, 1], [[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+    ([0, 1, 0, 1], [[0, 2], [1, 3], [0, 2], [1, 3]], [[0, 1], [0, 1], [2, 3], [2, 3]]),  # cyclic placement
+    ([0, 0, 0, 0], [[0, 1, 2, 3]] * 4, [[0], [1], [2], [3]]),
+])
+def test_node_members_need_no_groups(node_of_rank, intra, inter):
+    """members() of the node axes is arithmetic: asking it builds no group (a mesh without a device mesh and no
+    torch.distributed answers), so a rank may ask alone, e.g. to print."""
+    from hpctrain.mesh import Mesh
+
+    m = Mesh(Layout(1, len(node_of_rank), 1), device_mesh=None, node_of_rank=node_of_rank)
+    assert [m.members("intra", r) for r in range(len(node_of_rank))] == intra
+    assert [m.members("inter", r) for r in range(len(node_of_rank))] == inter
+    assert m.node_mesh is None
+    refused(m.members, "node", 0, fragments=["unknown axis 'node'", "intra", "inter"])

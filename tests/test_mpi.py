@@ -40,8 +40,24 @@ def test_mpiexec_two_named_nodes(mpiexec, tmp_path) -> None:
     assert [r["local_rank"] for r in s["rank_map"]] == [0, 1, 0, 1]
     groups = s["checks"]["groups"]
     assert groups["tp"] == [[0, 1], [2, 3]] and groups["dp"] == [[0, 2], [1, 3]]
-    assert groups["intra"] == [[0, 1], [2, 3]] and groups["inter"] == [[0, 2], [1, 3]]
+    # training builds no per-node groups (each NCCL communicator costs device memory): the node split is the
+    # rank map's, and the groups on it are built by the benchmark's request (next test)
+    assert set(groups) == {"world", "pp", "dp", "tp"}
     assert "layout pp=1 dp=2 tp=2" in out.stdout  # rank 0 prints the rank map first
+
+
+def test_node_groups_built_when_the_benchmark_asks(mpiexec, tmp_path) -> None:
+    """`hpctrain bench --group inter` (and the two-level all-reduce) ask for the node groups: built then, on the
+    node split learnt over MPI, checked like the others and recorded in the summary."""
+    root = tmp_path / "bench"
+    bench = [sys.executable, "-m", "hpctrain.cli", "bench", "all_reduce", "--group", "inter", "-b", "1K", "-e",
+             "1K", "-n", "1", "-w", "0", "--config", str(EXAMPLE), "--set", f"job.run_root={root}"]
+    out = run_mpiexec(mpiexec, ["-n", "2", "-env", "SLURMD_NODENAME", "nodeA"] + bench,
+                      ["-n", "2", "-env", "SLURMD_NODENAME", "nodeB"] + bench)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "# Out of bounds values : 0 OK" in out.stdout
+    groups = read_summary(root)["checks"]["groups"]
+    assert groups["intra"] == [[0, 1], [2, 3]] and groups["inter"] == [[0, 2], [1, 3]]
 
 
 def test_mpiexec_one_node_and_refusal(mpiexec, tmp_path) -> None:
