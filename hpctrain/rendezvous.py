@@ -1,8 +1,9 @@
 """Who am I: one frozen identity per rank from MPI, Slurm, submitit's local executor, torchrun or nothing, then
 torch.distributed on top of it.
 
-    ident = identify(cfg.parallel)            # no torch.distributed yet; MPI if launched under MPI
-    device = init_distributed(ident, cfg.parallel, rendezvous_dir)
+    ident = identify(p.rendezvous)            # no torch.distributed yet; MPI if launched under MPI
+    device = init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rendezvous_dir,
+                              interface=p.interface, connect_timeout_s=p.connect_timeout_s)   # p: cfg.parallel
 
 Under MPI the ranks agree on node identity by gathering node names (`SLURMD_NODENAME` when Slurm runs several
 slurmd on one host, else the host name), and rank 0 broadcasts a TCPStore address it has bound. Launchers without
