@@ -222,13 +222,14 @@ class TrainConfig:
     profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
     peak_tflops: float = 0.0  # per-rank peak for MFU; 0: a recognised GPU's datasheet figure, else the GEMM probe's
     tf32: bool = True  # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs)
+    prefetch: int = 2  # batches a background thread prepares ahead (pinned on CUDA); 0: load in the step
     resume: str = "auto"  # auto: newest committed checkpoint of the run, if any | none | a checkpoint directory
 
     def __post_init__(self) -> None:
         _check_fields("train", self)
         _positive("train", self, "micro_batch_size", "grad_accum", "log_every", "ac_every")
         _positive("train", self, "steps", "global_batch_size", "warmup_steps", "scale_lr_with_batch",
-                  "weight_decay", "grad_clip", "peak_tflops", allow_zero=True)
+                  "weight_decay", "grad_clip", "peak_tflops", "prefetch", allow_zero=True)
         _check(self.lr > 0, f"train.lr = {self.lr} must be > 0")
         _check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio = {self.min_lr_ratio} must be within [0, 1]")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,

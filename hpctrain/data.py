@@ -6,6 +6,7 @@
     source = open_source(cfg.data, cfg.model.vocab_size)  # synthetic data: seed= picks another stream
     loader = TokenLoader(source, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank, dp_size, cfg.train.seed)
     x, y = loader.next_batch()  # (micro_batch_size, seq_len) int64 each, y = x shifted by one
+    loader = PrefetchLoader(loader, depth=2, pin_memory=True)   # the same batches, read ahead by a thread
 
 The loader's position is global (samples consumed by all dp ranks together), so a checkpoint taken with one dp
 size resumes exactly with another. This module knows nothing of torch.distributed: ranks come in as ints.
@@ -15,7 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
+import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -284,6 +289,95 @@ class TokenLoader:
                              f"{self.num_samples} samples: was it saved for another dataset or seq_len?")
         self.epoch, self.sample_index = int(state["epoch"]), int(state["sample_index"])
         self.seed, self.samples_seen = int(state["seed"]), int(state["samples_seen"])
+
+    def close(self) -> None:
+        """Nothing to end (PrefetchLoader has a thread to stop)."""
+
+
+class PrefetchLoader:
+    """A TokenLoader read ahead by one background thread: up to `depth` batches wait in a bounded queue, in the
+    synchronous loader's order, in pinned host memory with `pin_memory` (CUDA jobs: their copies to the device can
+    then be asynchronous). Its state is the position after the batches consumed, never after those prefetched:
+    state_dict() after k next_batch() calls equals the synchronous loader's after k, so a checkpoint resumes at the
+    same batch whichever loader saved or loads it.
+
+        loader = PrefetchLoader(TokenLoader(...), depth=2, pin_memory=device.type == "cuda")
+        x, y = loader.next_batch()     # the thread starts at the first call
+        loader.close()                 # ends the thread and rewinds the inner loader to the consumed position
+
+    The thread also ends when the PrefetchLoader is garbage collected, or at interpreter exit. An error in the
+    thread (a file changed under it) is raised by the next_batch() that would have returned that batch.
+    """
+
+    def __init__(self, loader: TokenLoader, depth: int = 2, pin_memory: bool = False) -> None:
+        if depth < 1:
+            raise ValueError(f"prefetch depth = {depth} must be >= 1 (0: use the TokenLoader itself)")
+        self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
+        self._state = loader.state_dict()  # after the last consumed batch
+        self._worker: threading.Thread | None = None
+
+    def _start(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        # the thread holds the inner loader, never self: a dropped PrefetchLoader is collected and its thread ended
+        self._worker = threading.Thread(target=_prefetch, args=(self.loader, self._queue, stop, self.pin_memory),
+                                        name="hpctrain-prefetch", daemon=True)
+        self._worker.start()
+        self._finalizer = weakref.finalize(self, _stop_prefetch, self._worker, self._queue, stop)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._worker is None:
+            self._start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        x, y, self._state = item
+        return x, y
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """As TokenLoader's; batches read ahead for the old position are dropped."""
+        self.close()
+        self.loader.load_state_dict(state)
+        self._state = self.loader.state_dict()
+
+    def close(self) -> bool:
+        """Ends the thread (idempotent) and rewinds the inner loader to the consumed position, so next_batch()
+        carries on from there; False if the thread did not end within 10 s (stuck in a read; it is a daemon)."""
+        if self._worker is None:
+            return True
+        worker, self._worker = self._worker, None
+        self._finalizer()
+        self.loader.load_state_dict(self._state)
+        return not worker.is_alive()
+
+
+def _prefetch(loader: TokenLoader, out: queue.Queue, stop: threading.Event, pin_memory: bool) -> None:
+    """The read-ahead thread: batches with the loader's state after each, until stopped; an error is passed on."""
+    try:
+        while not stop.is_set():
+            x, y = loader.next_batch()
+            if pin_memory:
+                x, y = x.pin_memory(), y.pin_memory()
+            out.put((x, y, loader.state_dict()))  # blocks while `depth` batches wait
+    except BaseException as e:  # raised again in the consumer's thread
+        out.put(e)
+
+
+def _stop_prefetch(worker: threading.Thread, out: queue.Queue, stop: threading.Event, limit_s: float = 10.0) -> None:
+    """Stops a read-ahead thread: drained, its pending put has room, and it sees `stop` before reading again."""
+    stop.set()
+    deadline = time.monotonic() + limit_s
+    while worker.is_alive() and time.monotonic() < deadline:
+        try:
+            while True:
+                out.get_nowait()
+        except queue.Empty:
+            pass
+        worker.join(timeout=0.01)
 
 
 def main(argv: list[str]) -> int:

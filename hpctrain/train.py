@@ -74,8 +74,9 @@ class Trainer:
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
         source = data.open_source(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
-        self.loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, self.dp_rank, layout.dp,
-                                       cfg.train.seed)
+        loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, self.dp_rank, layout.dp, cfg.train.seed)
+        self.loader = (data.PrefetchLoader(loader, cfg.train.prefetch, pin_memory=self.device.type == "cuda")
+                       if cfg.train.prefetch else loader)
         self.step = 0
         self.tokens_seen = 0
         self.sync_steps = True  # train_step reads its metrics to the host every step; fit() only on log steps
@@ -111,7 +112,8 @@ class Trainer:
         schedule (for the bubble) synchronises the pp group and the device: `timed` on log steps only."""
         accum = self.cfg.train.grad_accum
         batches = [self.loader.next_batch() for _ in range(accum)]  # every stage reads: same position
-        x, y = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*batches))
+        # copied part by part: a concatenation on the host would leave the loader's pinned memory
+        x, y = (torch.cat([b.to(self.device, non_blocking=True) for b in parts]) for parts in zip(*batches))
         loss = torch.zeros((), device=self.device)
         with self.pm.sync(True), self._loss_ctx(), self._autocast():
             losses = self.pipe.step(x, y, timed=timed)
@@ -265,6 +267,7 @@ class Trainer:
             return self._fit(mgr, mlog)  # waits for its own saves
         finally:
             mgr.close()  # the directory lock
+            self.loader.close()  # the read-ahead thread; it rewinds to the consumed batches, so stepping on is fine
             self.sync_steps = True
 
     def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog) -> dict[str, Any]:
