@@ -142,7 +142,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for k in range(accum if self.pipe is None else 0):
-            x, y = (t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
+            x, y = (b.to(self.device, non_blocking=True) for b in self.loader.next_batch())
             # gradients are reduced across dp only after the last micro-batch (nanoGPT's no_sync trick)
             with self.pm.sync(k == accum - 1), self._loss_ctx():
                 with self._autocast():
