@@ -18,8 +18,9 @@ import pytest
 from faults import record
 
 from conftest import REPO, env_with_venv
-from hpctrain import rendezvous
-from hpctrain.rendezvous import Identity, check_reachable, feed_socket_ifname, store_address
+from hpctrain import netaddr, rendezvous
+from hpctrain.netaddr import check_reachable, feed_socket_ifname, store_address
+from hpctrain.rendezvous import Identity
 
 DEBIAN = lambda: ("node7.cluster", "127.0.1.1")  # noqa: E731 -- /etc/hosts maps the host name to loopback
 RESOLVES = lambda: ("node7.cluster", "10.1.0.7")  # noqa: E731
@@ -120,7 +121,7 @@ def test_gloo_kept_off_loopback_without_an_interface():
 
 
 def test_host_interfaces_reads_this_host():
-    table = rendezvous.host_interfaces()
+    table = netaddr.host_interfaces()
     assert table.get("lo") == "127.0.0.1", table
     assert all(socket.inet_aton(a) for a in table.values())
 
@@ -203,13 +204,13 @@ dist.destroy_process_group()
 def test_two_nodes_publish_a_reachable_address(tmp_path, interface):
     """Two Slurm "nodes" (no MPI, file rendezvous): the store is published on this host's non-loopback address,
     from the configured interface or, without one, the fallback; gloo follows the same interface."""
-    usable = {n: a for n, a in rendezvous.host_interfaces().items() if not rendezvous.is_loopback(a)}
+    usable = {n: a for n, a in netaddr.host_interfaces().items() if not netaddr.is_loopback(a)}
     if not usable:
         pytest.skip("no interface besides loopback on this host")
     name, addr = next(iter(usable.items()))
     ifname = name if interface else ""
-    resolved = rendezvous.resolve_host()[1]
-    if not interface and resolved and not rendezvous.is_loopback(resolved):
+    resolved = netaddr.resolve_host()[1]
+    if not interface and resolved and not netaddr.is_loopback(resolved):
         addr = resolved  # this host's name resolves to a routable address: that one is published
     procs = []
     for rank in range(2):
@@ -225,7 +226,7 @@ def test_two_nodes_publish_a_reachable_address(tmp_path, interface):
     assert all(g["sum"] == 2.0 and g["store"] == addr for g in got), (addr, got)
     if interface:
         assert all(g["gloo"] == name and g["nccl"] == name for g in got), got
-    elif resolved is None or rendezvous.is_loopback(resolved):
+    elif resolved is None or netaddr.is_loopback(resolved):
         assert all(g["gloo"] == name and g["nccl"] is None for g in got), got
 
 
