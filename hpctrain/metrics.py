@@ -103,13 +103,22 @@ def probe_size(device_type: str, dtype: torch.dtype) -> int:
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype, min_time_s: float = 0.25) -> dict[str, Any]:
-    """The measured matmul rate at probe_size, reported beside MFU. Run before the first step: its buffers are
-    given back to the device, and the peak-memory reset comes after it."""
+    """The measured matmul rate at probe_size, reported beside MFU. Run before the first step: its buffers (three
+    n x n matrices, 0.8 GB in fp32 at 8192) are given back to the device, and the peak-memory reset comes after it.
+    A GPU too full for them is probed at half the size, down to 1024, rather than ending the job."""
     from hpctrain.bench.gemm import measure_gemm
     n = probe_size(device.type, dtype)
-    r = measure_gemm(dtype, n, device, min_time_s=min_time_s)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    while True:
+        try:
+            r = measure_gemm(dtype, n, device, min_time_s=min_time_s)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if n <= 1024:
+                raise
+            n //= 2
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return {"tflops": r["tflops"], "n": n, "dtype": str(dtype).removeprefix("torch.")}
 
 

@@ -82,6 +82,21 @@ def test_matmul_dtype_and_probe_size() -> None:
     assert probe_size("cpu", torch.float32) == 1024 and probe_size("cpu", torch.bfloat16) == 256
 
 
+def test_probe_halves_its_size_on_a_full_gpu(monkeypatch) -> None:
+    from hpctrain.bench import gemm
+    sizes = []
+
+    def measure(dtype, n, device, **kw):
+        sizes.append(n)
+        if n > 2048:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"tflops": 500.0}
+    monkeypatch.setattr(gemm, "measure_gemm", measure)
+    assert metrics.gemm_probe(torch.device("cuda", 0), torch.bfloat16) == {"tflops": 500.0, "n": 2048,
+                                                                           "dtype": "bfloat16"}
+    assert sizes == [8192, 4096, 2048]
+
+
 def test_tf32_is_decided_for_cuda_only(monkeypatch) -> None:
     assert TrainConfig().tf32 is True
     assert tf32_setting(True, "cuda") is True and tf32_setting(False, "cuda") is False
