@@ -177,8 +177,9 @@ class Trainer:
 
         An optimizer that takes found_inf (fused AdamW) decides on the device: its kernel leaves weights, moments
         and step counts alone, and "skipped" stays a device tensor. The others (foreach AdamW, ZeRO-1's wrapper)
-        cannot skip on the device, so the host reads the norm's finiteness: one host sync per step, the only one
-        of a step without logging. With fp16 the scaler has read its overflow flag already (finite)."""
+        cannot skip on the device, so the host reads the norm's finiteness: one host sync per step, which
+        optim.build_optimizer building fused AdamW on CUDA would remove. With fp16 the scaler has read its overflow
+        flag already (finite)."""
         if finite and getattr(self.optimizer, "_step_supports_amp_scaling", False) and not self.scaler.enabled:
             found_inf = (~torch.isfinite(norm)).float()
             self.optimizer.found_inf = found_inf
