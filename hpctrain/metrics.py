@@ -32,9 +32,9 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     "NVIDIA H100 SXM": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (with sparsity: halved)
     "NVIDIA H200": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
-    # NVIDIA HGX B200 specifications (NVIDIA Blackwell datasheet / HGX platform page): figures for the 8-GPU board
-    # with sparsity, so divided by 8 and halved; no FP32 figure is taken from it
-    "NVIDIA B200": {"tf32": 18000 / 16, "bf16": 36000 / 16, "fp16": 36000 / 16, "fp8": 72000 / 16},
+    # NVIDIA Blackwell datasheet (GB200 NVL72 / HGX B200), per-GPU HGX B200 column (tensor figures with sparsity:
+    # halved; FP32 as given)
+    "NVIDIA B200": {"fp32": 75.0, "tf32": 2200 / 2, "bf16": 4500 / 2, "fp16": 4500 / 2, "fp8": 9000 / 2},
     # AMD Instinct MI250X accelerator datasheet: figures for the package of two GCDs; torch sees each GCD as one
     # device, so halved. fp32 is the FP32 matrix rate; CDNA2 has no TF32 and no FP8.
     "AMD Instinct MI250X": {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2},

@@ -24,7 +24,7 @@ GEMM = {"tflops": 0.1, "n": 1024, "dtype": "float32"}
     ("NVIDIA A100-SXM4-40GB", "NVIDIA A100 SXM", 312.0, 156.0),
     ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM", 989.5, 494.5),
     ("NVIDIA H200", "NVIDIA H200", 989.5, 494.5),
-    ("NVIDIA B200", "NVIDIA B200", 2250.0, 1125.0),
+    ("NVIDIA B200", "NVIDIA B200", 2250.0, 1100.0),
     ("AMD Instinct MI250X", "AMD Instinct MI250X", 191.5, None),
     ("AMD Instinct MI300X", "AMD Instinct MI300X", 1307.4, 653.7),
 ])
@@ -57,14 +57,15 @@ def test_cpu_configured_and_nothing_known() -> None:
 
 
 def test_table_is_dense_and_consistent() -> None:
-    """Tensor-core rates double from tf32 to bf16 to fp8 on every listed part: a figure "with sparsity" copied by
-    mistake would break the ratio."""
+    """Tensor-core rates double from tf32 to bf16 to fp8 on every listed part (within the datasheets' rounding:
+    B200's TF32 is given as 2.2 against BF16's 4.5): a figure "with sparsity" copied by mistake breaks the ratio."""
     for part, row in DATASHEET_TFLOPS.items():
         assert row["bf16"] == row["fp16"], part
         if "tf32" in row:
-            assert row["bf16"] == pytest.approx(2 * row["tf32"], rel=1e-3), part
+            assert row["bf16"] == pytest.approx(2 * row["tf32"], rel=0.05), part
         if "fp8" in row:
-            assert row["fp8"] == pytest.approx(2 * row["bf16"], rel=1e-3), part
+            assert row["fp8"] == pytest.approx(2 * row["bf16"], rel=0.05), part
+        assert row.get("fp32", 0) < row.get("tf32", row["bf16"]), part
         assert set(row) <= {"fp32", "tf32", "bf16", "fp16", "fp8"}, part
     assert {p for _, p in metrics.DEVICE_NAMES} == set(DATASHEET_TFLOPS)
 
