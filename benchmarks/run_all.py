@@ -50,6 +50,7 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
         "ckpt_async": [[sys.executable, str(HERE / "async_stall.py"), "--run-root", run_root]],
         # a driver: mpiexec -n 2 (p = 2 stages)
         "pipeline": [[sys.executable, str(HERE / "pipeline_bubble.py")]],
+        "prefetch": [[sys.executable, str(HERE / "loader_prefetch.py"), "--run-root", run_root]],
     }
 
 

@@ -38,7 +38,8 @@ LOSS_TOL = 1e-3  # fp32, absolute, per step: foreach vs single-tensor kernels ro
 CASE = ["model.vocab_size=256", "model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.max_seq_len=128",
         "data.source=synthetic", "data.seq_len=128", "train.micro_batch_size=4", "train.lr=3e-4",
         "train.warmup_steps=0", "train.min_lr_ratio=1.0",  # constant lr: the plain loop has no schedule
-        "train.peak_tflops=1", "parallel.pp=1", "parallel.tp=1", "parallel.dp=-1", "job.name=bench-overhead"]
+        "train.peak_tflops=1", "parallel.pp=1", "parallel.tp=1", "parallel.dp=-1", "job.name=bench-overhead",
+        "train.prefetch=0"]  # the plain loop loads synchronously: like with like (loader_prefetch.py measures that)
 
 
 class Plain:

@@ -3,7 +3,7 @@ true global norm across tensor-parallel and FSDP shards, and a dynamic loss scal
 
     opt = build_optimizer(model, cfg.train, zero_group)   # ZeroRedundancyOptimizer when zero_group is given
     sched = build_schedule(opt, cfg.train, total_steps)
-    norm = clip_grad_norm(model.parameters(), 1.0)         # the same number on every rank
+    norm = grad_norm(params, pp_group); clip_grads(params, 1.0, norm)   # the same norm on every rank
 """
 from __future__ import annotations
 
@@ -76,22 +76,23 @@ def grad_norm(params: Iterable[nn.Parameter], pp_group=None) -> torch.Tensor:
     Sharded (DTensor) gradients reduce their partial norms over their mesh; plain gradients are whole on
     every rank (DDP has all-reduced them; tensor parallel replicates what it does not shard). Pipeline stages
     hold disjoint parameters: their squared norms add up over pp_group."""
-    total = torch.zeros(())
+    total = None  # starts from the first group's norm, on its device: no host scalar copied in every step
     for group in _groups(params):
         n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
         n = (n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2
-        total = total.to(n.device) + n
+        total = n if total is None else total + n
+    if total is None:
+        total = torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
-    norm = grad_norm(params, pp_group)
-    if max_norm > 0 and torch.isfinite(norm):
-        for group in _groups(params):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
-    return norm
+def clip_grads(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scales the gradients so that their norm (grad_norm's) is at most max_norm, on the device: no host sync.
+    Call it only for a finite norm (an inf one zeroes the gradients, a nan one poisons them)."""
+    for group in _groups(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
 
 
 class LossScaler:

@@ -154,11 +154,8 @@ class Trainer:
             loss_sum = self._pipeline_forward_backward(timed=sync)
         finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
         norm = optim.grad_norm(self.params, self.pp_group) if finite else torch.full((), float("inf"))
-        if t.grad_clip > 0 and finite:
-            # optim.clip_grad_norm would first ask torch.isfinite(norm) on the host; a non-finite norm zeroes (inf)
-            # or poisons (nan) the gradients of a step that is skipped anyway
-            for group in optim._groups(self.params):
-                torch.nn.utils.clip_grads_with_norm_(group, t.grad_clip, norm, foreach=True)
+        if t.grad_clip > 0 and finite:  # a non-finite norm only touches the gradients of a step that is skipped
+            optim.clip_grads(self.params, t.grad_clip, norm)
         skipped = self._optimizer_step(norm, finite)
         if self.scaler.enabled:
             self.scaler.update(not skipped)

@@ -20,8 +20,8 @@ def _signal_after(trainer: Trainer, step: int) -> None:
     """Sends this process Slurm's warning signal (USR2) right after `step`, as a preemption would."""
     real = trainer.train_step
 
-    def step_then_signal():
-        row = real()
+    def step_then_signal(*args, **kwargs):
+        row = real(*args, **kwargs)
         if trainer.step == step:
             os.kill(os.getpid(), signal.SIGUSR2)
         return row
