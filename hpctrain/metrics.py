@@ -178,3 +178,21 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def start_profiler(steps: list[int] | tuple[int, ...], run_dir: Path, rank: int, device: torch.device):
+    """train.profile_steps = [first, last]: a torch.profiler trace of those steps in RUN_DIR/profile/ (TensorBoard
+    format, one worker per rank); None when not asked for. Call .step() after every step and .stop() at the end."""
+    if not steps:
+        return None
+    first, last = steps
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=max(0, first - 1), warmup=1 if first else 0,
+                                         active=last - first + 1, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_dir / "profile"), worker_name=f"rank{rank}"))
+    prof.start()
+    return prof

@@ -276,7 +276,7 @@ class Trainer:
         resumed = self.resume(mgr)
         peak, gemm = self.mfu_peak()
         memory = metrics.reset_peak_memory(self.device)  # initialisation is over: the peak from here is training's
-        profiler = self._profiler()
+        profiler = metrics.start_profiler(self.cfg.train.profile_steps, self.s.run_dir, self.s.rank, self.device)
         last: dict[str, Any] = {}
         losses: list[float] = []
         pending: list[torch.Tensor] = []  # device losses of the steps since the last log step
@@ -386,23 +386,6 @@ class Trainer:
             marker.unlink()
             return True
         return False
-
-    def _profiler(self):
-        steps = self.cfg.train.profile_steps
-        if not steps:
-            return None
-        first, last = steps
-        out = self.s.run_dir / "profile"
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=max(0, first - 1), warmup=1 if first else 0,
-                                             active=last - first + 1, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out), worker_name=f"rank{self.s.rank}"))
-        prof.start()
-        return prof
 
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:
