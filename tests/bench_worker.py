@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain import cli, session
-from hpctrain.bench import colls, harness
+from hpctrain.bench import colls, harness, pattern
 from hpctrain.config import load_config
 
 HIER_NUMEL = 1000  # divisible by the intra group size (2)
@@ -28,12 +28,12 @@ def _hier_case(s: session.Session) -> dict:
     record = {"intra": s.mesh.members("intra", s.rank), "inter": s.mesh.members("inter", s.rank)}
     # seeded small integers: every order of summation gives the same bits
     for dtype, op in [("int64", "sum"), ("int32", "max"), ("float", "sum"), ("float", "min"), ("double", "prod")]:
-        inputs = [harness.make_data(r, HIER_NUMEL, harness.DTYPES[dtype], op, seed=11, nranks=world)
+        inputs = [pattern.make_data(r, HIER_NUMEL, harness.DTYPES[dtype], op, seed=11, nranks=world)
                   for r in range(world)]
         hier, flat = inputs[s.rank].clone(), inputs[s.rank].clone()
         colls.hierarchical_all_reduce(hier, intra, inter, op)
         dist.all_reduce(flat, op=colls.TORCH_OPS[op])
-        ref = colls.reduce_inputs(inputs, op)
+        ref = pattern.reduce_inputs(inputs, op)
         record[f"{dtype}_{op}"] = {"hier_eq_flat": torch.equal(hier, flat),
                                    "hier_eq_ref": torch.equal(hier.double(), ref),
                                    "changed": not torch.equal(hier, inputs[s.rank])}
@@ -43,7 +43,7 @@ def _hier_case(s: session.Session) -> dict:
         hier, flat = inputs[s.rank].clone(), inputs[s.rank].clone()
         colls.hierarchical_all_reduce(hier, intra, inter, op)
         dist.all_reduce(flat, op=colls.TORCH_OPS[op])
-        ref = colls.reduce_inputs(inputs, op)
+        ref = pattern.reduce_inputs(inputs, op)
         record[f"randn_{op}"] = {"max_diff_flat": (hier - flat).abs().max().item(),
                                  "max_diff_ref": (hier.double() - ref).abs().max().item(),
                                  "max_abs_ref": ref.abs().max().item()}

@@ -2,7 +2,8 @@
 (one node) and one of 4 ranks (2 "nodes" of 2). Each worker runs every case in-process (tests/bench_worker.py).
 
 Every collective, with the check on, must count 0 wrong elements in every placement it offers, for float sum,
-int32 max and double avg; an injected wrong element must fail the run; the two-level all-reduce must equal the
+int32 max, double avg, bfloat16 sum (up to 1 MiB: several check chunks), int8 prod and half min; an injected
+wrong element must fail the run; the two-level all-reduce must equal the
 flat one (and a single-process reference) on the session's own intra/inter groups; --group intra and inter run
 on 2-rank groups.
 
@@ -23,8 +24,10 @@ from hpctrain.bench.sweep import bus_factor
 ALL_COLLS = ["all_reduce", "all_gather", "reduce_scatter", "alltoall", "broadcast", "reduce", "sendrecv"]
 SMALL = ["-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1"]
 SMALL_SIZES = [1024, 8192, 65536]
+BIG = ["-b", "8K", "-e", "1M", "-f", "128", "-n", "1", "-w", "0"]
+BIG_SIZES = [8192, 1 << 20]
 ONE_SIZE = ["-b", "8K", "-e", "8K", "-n", "2", "-w", "1"]
-ELEM = {"float": 4, "int32": 4, "double": 8}
+ELEM = {"float": 4, "int32": 4, "double": 8, "bfloat16": 2, "half": 2, "int8": 1}
 
 
 def _cases(out: Path, world: int) -> list:
@@ -32,6 +35,10 @@ def _cases(out: Path, world: int) -> list:
         ("all", ["all", *SMALL, "-J", str(out / "extra.jsonl"), "--plot", str(out / "extra.png")]),
         ("int32_max", ["all", *SMALL, "-d", "int32", "-o", "max"]),
         ("double_avg", ["all", *SMALL, "-d", "double", "-o", "avg"]),
+        # 512K elements: the check's chunks (64K on a host) end inside every collective's per-rank chunks
+        ("bf16_sum", ["all", *BIG, "-d", "bfloat16"]),
+        ("int8_prod", ["all", *SMALL, "-d", "int8", "-o", "prod"]),
+        ("half_min", ["all", *SMALL, "-d", "half", "-o", "min"]),
         ("inject", ["all", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "--inject-wrong"]),
     ]
     if world == 4:
@@ -114,11 +121,12 @@ def _check_ok_run(spawned: dict, name: str, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize("name, dtype, op", [("all", "float", "sum"), ("int32_max", "int32", "max"),
-                                             ("double_avg", "double", "avg")])
+                                             ("double_avg", "double", "avg"), ("bf16_sum", "bfloat16", "sum"),
+                                             ("int8_prod", "int8", "prod"), ("half_min", "half", "min")])
 def test_every_collective_zero_wrong(spawned, name, dtype, op):
     run_dir, rows = _run(spawned, name)
-    _check_rows(rows, colls=ALL_COLLS, sizes=SMALL_SIZES, nranks=spawned["world"], dtype=dtype, op=op,
-                group="world", algo="flat")
+    _check_rows(rows, colls=ALL_COLLS, sizes=BIG_SIZES if name == "bf16_sum" else SMALL_SIZES,
+                nranks=spawned["world"], dtype=dtype, op=op, group="world", algo="flat")
     _check_ok_run(spawned, name, rows)
     text = (run_dir / "bench.txt").read_text()
     for coll in ALL_COLLS:

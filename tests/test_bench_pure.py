@@ -12,8 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from hpctrain import cli
-from hpctrain.bench.colls import COLLS, reduce_inputs
-from hpctrain.bench.harness import DTYPES, Options, count_wrong, make_data
+from hpctrain.bench.colls import COLLS
+from hpctrain.bench.harness import DTYPES, Options, count_wrong
+from hpctrain.bench.pattern import make_data, reduce_inputs
 from hpctrain.bench.sweep import (
     Row,
     bandwidths,

@@ -1,10 +1,10 @@
 """One small definition per collective, for torch.distributed and for MPI (mpi4py on host buffers).
 
 A definition says how big the send and receive buffers are for a total of T elements, how the in-place
-buffers alias one allocation, how to run it on each backend, and what the receive buffer must hold afterwards,
-computed from every member's seeded input. Placements a backend does not offer are left out (torch has no
-out-of-place all_reduce, broadcast or reduce; gloo's alltoall and the ring exchange cannot alias) and print as
-N/A.
+buffers alias one allocation, how to run it on each backend, and what positions p of the receive buffer must hold
+afterwards, as a formula over the closed-form inputs (pattern.py) of the group's members: a check never builds
+another member's buffer. Placements a backend does not offer are left out (torch has no out-of-place all_reduce,
+broadcast or reduce; gloo's alltoall and the ring exchange cannot alias) and print as N/A.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hpctrain.bench.pattern import Pattern
+
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
              "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
 
 # torch 2.13 renamed the tensor forms; an older torch on a cluster has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-Data = Callable[[int, int], torch.Tensor]  # (global rank, numel) -> that rank's seeded input
 
 
 @dataclass
@@ -39,20 +39,6 @@ class Ctx:
     @property
     def n(self) -> int:
         return len(self.members)
-
-
-def reduce_inputs(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Reference reduction in float64 (exact for the small integers the benchmark feeds in)."""
-    x = torch.stack([t.double() for t in inputs])
-    if op == "sum":
-        return x.sum(0)
-    if op == "prod":
-        return x.prod(0)
-    if op == "min":
-        return x.min(0).values
-    if op == "max":
-        return x.max(0).values
-    return x.sum(0) / len(inputs)  # avg
 
 
 def hierarchical_all_reduce(t: torch.Tensor, intra, inter, op: str = "sum") -> None:
@@ -90,8 +76,10 @@ class Coll:
     views: Callable[[torch.Tensor, Ctx, str], tuple[torch.Tensor, torch.Tensor]]  # (buf, ctx, backend) in place
     run_torch: Callable[[torch.Tensor, torch.Tensor, Ctx], Any]
     run_mpi: Callable[[torch.Tensor, torch.Tensor, Ctx], Any]
-    expected: Callable[[Data, Ctx, int], torch.Tensor | None]  # None: nothing to check on this rank
+    # (inputs, ctx, T, p) -> what receive positions p (int64) must hold; None: nothing to check on this rank
+    expected: Callable[[Pattern, Ctx, int, torch.Tensor], torch.Tensor | None]
     placements: dict[str, tuple[str, ...]]  # backend -> subset of ("out", "in")
+    reduces: bool = False  # inputs from the reduction's exact range (else the wide one)
 
 
 def _same(buf: torch.Tensor, ctx: Ctx, backend: str):
@@ -151,38 +139,38 @@ COLLS: dict[str, Coll] = {c.name: c for c in [
     Coll("all_reduce", sizes=lambda T, n: (T, T), chunk=lambda T, n: T, align=lambda n: 1, views=_same,
          run_torch=_all_reduce_torch,
          run_mpi=lambda s, r, c: c.comm.Allreduce(_src(s, c), r.numpy(), op=_mpi_op(c.op)),
-         expected=lambda data, c, T: reduce_inputs([data(m, T) for m in c.members], c.op),
-         placements={"torch": ("in",), "mpi": ("out", "in")}),
+         expected=lambda x, c, T, p: x.reduced(p),
+         placements={"torch": ("in",), "mpi": ("out", "in")}, reduces=True),
     Coll("all_gather", sizes=lambda T, n: (T // n, T), chunk=lambda T, n: T // n, align=lambda n: n,
          views=lambda buf, c, b: (_chunk_of(buf, c), buf),
          run_torch=lambda s, r, c: _all_gather(r, s, group=c.group),
          run_mpi=lambda s, r, c: c.comm.Allgather(_src(s, c), r.numpy()),
-         expected=lambda data, c, T: torch.cat([data(m, T // c.n) for m in c.members]),
+         expected=lambda x, c, T, p: x.values(p // (T // c.n), p % (T // c.n)),  # chunk k from member k
          placements={"torch": ("out", "in"), "mpi": ("out", "in")}),
     Coll("reduce_scatter", sizes=lambda T, n: (T, T // n), chunk=lambda T, n: T // n, align=lambda n: n,
          views=_reduce_scatter_views,
          run_torch=lambda s, r, c: _reduce_scatter(r, s, op=TORCH_OPS[c.op], group=c.group),
          run_mpi=_reduce_scatter_mpi,
-         expected=lambda data, c, T: reduce_inputs([data(m, T).view(c.n, -1)[c.idx] for m in c.members], c.op),
-         placements={"torch": ("out", "in"), "mpi": ("out", "in")}),
+         expected=lambda x, c, T, p: x.reduced(c.idx * (T // c.n) + p),
+         placements={"torch": ("out", "in"), "mpi": ("out", "in")}, reduces=True),
     Coll("alltoall", sizes=lambda T, n: (T, T), chunk=lambda T, n: T // n, align=lambda n: n, views=_same,
          run_torch=lambda s, r, c: dist.all_to_all_single(r, s, group=c.group),
          run_mpi=_alltoall_mpi,
-         expected=lambda data, c, T: torch.cat([data(m, T).view(c.n, -1)[c.idx] for m in c.members]),
+         # chunk k comes from member k's chunk idx
+         expected=lambda x, c, T, p: x.values(p // (T // c.n), c.idx * (T // c.n) + p % (T // c.n)),
          placements={"torch": ("out",), "mpi": ("out", "in")}),
     Coll("broadcast", sizes=lambda T, n: (T, T), chunk=lambda T, n: T, align=lambda n: 1, views=_same,
          run_torch=lambda s, r, c: dist.broadcast(r, src=c.members[c.root], group=c.group),
          run_mpi=lambda s, r, c: c.comm.Bcast(r.numpy(), root=c.root),
-         expected=lambda data, c, T: data(c.members[c.root], T),
+         expected=lambda x, c, T, p: x.values(c.root, p),
          placements={"torch": ("in",), "mpi": ("in",)}),
     Coll("reduce", sizes=lambda T, n: (T, T), chunk=lambda T, n: T, align=lambda n: 1, views=_same,
          run_torch=lambda s, r, c: dist.reduce(r, dst=c.members[c.root], op=TORCH_OPS[c.op], group=c.group),
          run_mpi=_reduce_mpi,
-         expected=lambda data, c, T: (reduce_inputs([data(m, T) for m in c.members], c.op)
-                                      if c.idx == c.root else None),
-         placements={"torch": ("in",), "mpi": ("out", "in")}),
+         expected=lambda x, c, T, p: x.reduced(p) if c.idx == c.root else None,
+         placements={"torch": ("in",), "mpi": ("out", "in")}, reduces=True),
     Coll("sendrecv", sizes=lambda T, n: (T, T), chunk=lambda T, n: T, align=lambda n: 1, views=_same,
          run_torch=_ring_torch, run_mpi=_ring_mpi,
-         expected=lambda data, c, T: data(c.members[(c.idx - 1) % c.n], T),
+         expected=lambda x, c, T, p: x.values((c.idx - 1) % c.n, p),
          placements={"torch": ("out",), "mpi": ("out", "in")}),
 ]}

@@ -1,5 +1,7 @@
 """The one benchmark harness: for each size and placement, fill seeded inputs, warm up, time a loop between
 barriers (device synchronised), take the slowest rank's time, then refill, run once and count wrong elements.
+The inputs are closed-form (pattern.py): filling and checking work chunk by chunk on the buffers' device, with
+memory O(chunk) per rank whatever the world size and message size.
 
     opts = Options(colls=["all_reduce"], sizes=size_sweep(1024, 1 << 20))
     rows = run_benchmark(opts, ctx_for(mesh, rank, opts), world_max, world_sum, barrier, device)
@@ -15,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from hpctrain.bench.colls import COLLS, Coll, Ctx
+from hpctrain.bench.pattern import Pattern, sentinel
 from hpctrain.bench.sweep import Row, bandwidths
 
 DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -73,43 +76,38 @@ class Options:
             raise ValueError(f"-r {self.root}: the root must be >= 0")
 
 
-# Largest integer each type holds exactly (for ints one below the maximum, which serves as the sentinel).
-_EXACT = {torch.float32: 2**24, torch.float64: 2**53, torch.float16: 2**11, torch.bfloat16: 2**8}
+def check_chunk(device: torch.device) -> int:
+    """Elements filled or checked per step: on a host ~2.5 MiB of temporaries (two threads' worth of work per
+    op); an accelerator takes bigger steps so that 8 GiB messages do not pay kernel launches per 64K elements."""
+    return 1 << 16 if device.type == "cpu" else 1 << 22
 
 
-def exact_limit(dtype: torch.dtype) -> int:
-    return _EXACT[dtype] if dtype.is_floating_point else torch.iinfo(dtype).max - 1
-
-
-def data_range(dtype: torch.dtype, op: str, nranks: int) -> tuple[int, int]:
-    """[lo, hi) of the inputs, so the reduced result of nranks inputs stays exact in dtype."""
-    limit = exact_limit(dtype)
-    if op == "prod":  # {1, 2}: products are powers of two, exact while 2**nranks fits; else all ones
-        return (1, 3) if 2**nranks <= limit else (1, 2)
-    if op in ("sum", "avg"):
-        return 0, min(4, limit // nranks + 1)
-    return 0, 4
-
-
-def sentinel(dtype: torch.dtype) -> int:
-    """A value no input or result takes: results are >= 0, and ints stay below their maximum."""
-    return torch.iinfo(dtype).max if not dtype.is_floating_point and not dtype.is_signed else -1
-
-
-def make_data(rank: int, numel: int, dtype: torch.dtype, op: str, seed: int, nranks: int = 1) -> torch.Tensor:
-    """Seeded small integers, exact in dtype for a reduction over nranks (see data_range)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-    lo, hi = data_range(dtype, op, nranks)
-    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
+def wrong_mask(got: torch.Tensor, want: torch.Tensor, op: str) -> torch.Tensor:
+    """Elements of `got` that differ from the reference (read as float64, on got's device); exact except for avg
+    (rounded division)."""
+    dtype = got.dtype
+    got, want = got.detach().double(), want.to(got.device).double()
+    if op == "avg":
+        return ~torch.isclose(got, want, rtol=4 * torch.finfo(dtype).eps, atol=0)
+    return got != want
 
 
 def count_wrong(got: torch.Tensor, want: torch.Tensor, op: str) -> int:
-    """Elements of `got` that differ from the float64 reference; exact except for avg (rounded division)."""
-    dtype = got.dtype
-    got, want = got.detach().to("cpu").double(), want.double()
-    if op == "avg":
-        return int((~torch.isclose(got, want, rtol=4 * torch.finfo(dtype).eps, atol=0)).sum())
-    return int((got != want).sum())
+    """How many elements of `got` differ from the reference (see wrong_mask)."""
+    return int(wrong_mask(got, want, op).sum())
+
+
+def check_recv(coll: Coll, inputs: Pattern, ctx: Ctx, T: int, recv: torch.Tensor, chunk: int) -> int | None:
+    """Wrong elements of this rank's receive buffer, `chunk` positions at a time; None if it holds no result."""
+    flat = recv.view(-1)
+    wrong = torch.zeros((), dtype=torch.int64, device=recv.device)  # summed on the device: one sync at the end
+    for start in range(0, flat.numel(), chunk):
+        stop = min(start + chunk, flat.numel())
+        want = coll.expected(inputs, ctx, T, torch.arange(start, stop, device=recv.device))
+        if want is None:
+            return None
+        wrong += wrong_mask(flat[start:stop], want, ctx.op).sum()
+    return int(wrong)
 
 
 def _sync(device: torch.device) -> None:
@@ -142,16 +140,13 @@ class _Timer:
 
 
 class _Inputs:
-    """Every member's input for one size, generated once (the expected results need them all)."""
+    """The seeded inputs of a group of nranks members, one closed-form Pattern per collective (nothing stored)."""
 
     def __init__(self, opts: Options, dtype: torch.dtype, nranks: int) -> None:
-        self.opts, self.dtype, self.nranks, self.cache = opts, dtype, nranks, {}
+        self.opts, self.dtype, self.nranks = opts, dtype, nranks
 
-    def __call__(self, rank: int, numel: int) -> torch.Tensor:
-        key = (rank, numel)
-        if key not in self.cache:
-            self.cache[key] = make_data(rank, numel, self.dtype, self.opts.op, self.opts.seed, self.nranks)
-        return self.cache[key]
+    def pattern(self, coll: Coll) -> Pattern:
+        return Pattern(self.opts.seed, self.dtype, self.opts.op if coll.reduces else None, self.nranks)
 
 
 def _buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +165,8 @@ def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _
     dtype = DTYPES[opts.dtype]
     send, recv = buffers or _buffers(coll, ctx, T, dtype, device, opts.backend)
     run = coll.run_torch if opts.backend == "torch" else coll.run_mpi
-    send.copy_(inputs(ctx.members[ctx.idx], send.numel()))
+    pattern, chunk = inputs.pattern(coll), check_chunk(send.device)
+    pattern.fill(send, ctx.idx, chunk)
     for _ in range(opts.warmup):
         run(send, recv, ctx)
     _sync(device)
@@ -182,16 +178,12 @@ def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _
     wrong = None
     if opts.check:
         recv.fill_(sentinel(dtype))  # so an element the collective never wrote counts as wrong
-        send.copy_(inputs(ctx.members[ctx.idx], send.numel()))
+        pattern.fill(send, ctx.idx, chunk)
         run(send, recv, ctx)
         _sync(device)
-        want = coll.expected(inputs, ctx, T)
-        mine = 0
-        if want is not None:
-            if opts.inject_wrong and ctx.idx == ctx.root:  # the root checks every collective, reduce too
-                recv.view(-1)[0] += 1
-            mine = count_wrong(recv, want, opts.op)
-        wrong = world_sum(mine)
+        if opts.inject_wrong and ctx.idx == ctx.root:  # the root checks every collective, reduce too
+            recv.view(-1)[0] = sentinel(dtype)  # never a result, in any type (+1 can round away in bf16)
+        wrong = world_sum(check_recv(coll, pattern, ctx, T, recv, chunk) or 0)
     return {"time_us": elapsed * 1e6, "wrong": wrong}
 
 
