@@ -1,9 +1,10 @@
 """`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks: collectives vs
 bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equation, activation checkpointing,
 checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall, pipeline bubble and
-activation memory per schedule.
+activation memory per schedule, one 70B rank's initialisation.
 
-    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,ckpt_io,ckpt_async,pipeline] [--ranks 4]
+    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,ckpt_io,ckpt_async,pipeline,prefetch,init]
+                                 [--ranks 4]
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
 several ranks; outputs go to benchmarks/results/. Exits non-zero if a step fails (a wrong collective result, or a
@@ -51,6 +52,8 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
         # a driver: mpiexec -n 2 (p = 2 stages)
         "pipeline": [[sys.executable, str(HERE / "pipeline_bubble.py")]],
         "prefetch": [[sys.executable, str(HERE / "loader_prefetch.py"), "--run-root", run_root]],
+        # one process: rank 9 of the 70B example's 128, simulated (torch's fake process group)
+        "init": [[sys.executable, str(HERE / "init_scale.py")]],
     }
 
 

@@ -1,7 +1,8 @@
 """Turns the single-device Transformer into the job's parallel model, in torchtitan's fixed order: tensor
 parallel, activation checkpointing, then data parallel (DDP, ZeRO-1 optimizer sharding, or FSDP2 for ZeRO-2/3),
-on the meta device first so no rank ever holds more than its shard; then seeded materialisation gives every
-layout the same full weights.
+on the meta device first so no rank ever holds more than its shard; then each rank fills only its own shards, on
+its device, from the tiled seeded init (hpctrain.model.init_slice), so every layout starts from the same full
+weights (the trainer skips this when a checkpoint loads: build(..., fill=False), pm.fill()).
 
     pm = build(cfg, mesh, device)        # pm.model, pm.dims, pm.sync(last_micro_step), pm.loss_parallel
 
@@ -11,16 +12,17 @@ the schedule runs (DDP- or FSDP-wrapped), and pm.plan says which stages this ran
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hpctrain import pipeline
 from hpctrain.config import Config
-from hpctrain.model import ModelDims, Transformer, init_value
+from hpctrain.model import ModelDims, Transformer, init_slice
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,6 +37,19 @@ class ParallelModel:
     zero_stage: int
     parts: list[nn.Module] = field(default_factory=list)  # stage modules this rank runs (pp > 1)
     plan: pipeline.StagePlan | None = None
+    # fills the weights from the seeded init; None once filled, or when a checkpoint has filled them
+    unfilled: Callable[[], None] | None = None
+
+    def fill(self) -> bool:
+        """Fills the weights from the seeded init unless done (or loaded) already; True if it filled now."""
+        fill, self.unfilled = self.unfilled, None
+        if fill is not None:
+            fill()
+        return fill is not None
+
+    def loaded(self) -> None:
+        """A checkpoint has written every parameter: the seeded init is not needed."""
+        self.unfilled = None
 
 
 def clean_name(name: str) -> str:
@@ -120,23 +135,40 @@ def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device,
-                parts: list[nn.Module] | None = None) -> None:
-    """Allocates the (sharded) parameters and fills each with its slice of the layout-independent init. With
-    pipeline stages, each stage module (an FSDP root) allocates what it holds; together they cover the model."""
-    for part in parts or [model]:
-        part.to_empty(device=device)
+def shard_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of this rank's piece of a parameter: a DTensor's local shard (FSDP's uneven
+    dim-0 chunks, tensor parallel's Shard(0)/Shard(1), both on a 2-D mesh), or the whole of a plain tensor."""
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(local_shape)
+    return (0,) * p.ndim, tuple(p.shape)
+
+
+def init_weights(model: nn.Module, dims: ModelDims, seed: int) -> None:
+    """Fills each parameter's local shard with its slice of the layout-independent init: every rank draws only the
+    tiles its shards touch (no full tensor of a sharded parameter) and writes them on the parameter's device."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            full = init_value(clean_name(name), p.shape, dims, seed).to(device)
-            if isinstance(p, DTensor):
-                # every rank holds the same full tensor, so slicing locally needs no communication
-                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                p.to_local().copy_(local)
-            else:
-                p.copy_(full)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            offset, shape = shard_box(p)
+            assert tuple(local.shape) == shape, (name, tuple(local.shape), shape)
+            init_slice(clean_name(name), p.shape, dims, seed, offset, shape, out=local)
+
+
+def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device,
+                parts: list[nn.Module] | None = None, fill: bool = True) -> Callable[[], None] | None:
+    """Allocates the (sharded) parameters on `device` and fills them (init_weights), or with fill=False leaves them
+    unfilled and returns the function that fills them (a resume overwrites them anyway). With pipeline stages,
+    each stage module (an FSDP root) allocates what it holds; together they cover the model."""
+    for part in parts or [model]:
+        part.to_empty(device=device)
     for m in [model, *(parts or [])]:
         m.init_buffers(device)
+    if fill:
+        init_weights(model, dims, seed)
+        return None
+    return functools.partial(init_weights, model, dims, seed)
 
 
 def allreduce_grads(model: nn.Module, group) -> None:
@@ -203,8 +235,9 @@ def check_training(cfg: Config, tp: int, dp: int) -> list[str]:
     return notes
 
 
-def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
-    """mesh: hpctrain.mesh.Mesh (or None for one process)."""
+def build(cfg: Config, mesh, device: torch.device, fill: bool = True) -> ParallelModel:
+    """mesh: hpctrain.mesh.Mesh (or None for one process). fill=False leaves the weights allocated but unfilled:
+    pm.fill() fills them (the trainer, unless a checkpoint loads; pm.loaded() says one did)."""
     tp = mesh.layout.tp if mesh else 1
     dp = mesh.layout.dp if mesh else 1
     plan = _check_supported(cfg, tp, dp)
@@ -226,7 +259,7 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
         apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype], parts or None,
                    plan.pp if plan else 1)
         autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
-    materialize(model, dims, cfg.train.seed, device, parts or None)
+    unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill)
     sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731
     if plan and zero in (2, 3):
         pass  # the schedule tells FSDP when the last micro-batch's backward runs
@@ -260,4 +293,4 @@ def build(cfg: Config, mesh, device: torch.device) -> ParallelModel:
             # accumulate unreduced gradients locally until the last micro-step, then reduce-scatter once
             fsdp.set_requires_gradient_sync(last)
             yield
-    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, plan)
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, plan, unfilled)

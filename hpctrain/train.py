@@ -65,12 +65,12 @@ class Trainer:
         self.dp_rank = s.mesh.layout.coords(s.rank)["dp"]
         self.micro_batch, self.global_batch = parallelize.batch_plan(cfg, layout.dp)
         torch.manual_seed(cfg.train.seed)
-        self.pm = parallelize.build(cfg, s.mesh, self.device)
-        self.model = self.pm.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # weights allocated, not filled: a resume overwrites them; train_step, save and .model fill them otherwise
+        self.pm = parallelize.build(cfg, s.mesh, self.device, fill=False)
+        self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
         self.lr = optim.effective_lr(cfg.train, self.global_batch)
         zero_group = s.mesh.group("dp") if self.pm.zero_stage == 1 else None
-        self.optimizer = optim.build_optimizer(self.model, cfg.train, self.lr, zero_group)
+        self.optimizer = optim.build_optimizer(self.pm.model, cfg.train, self.lr, zero_group)
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
         source = data.open_source(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
@@ -92,6 +92,12 @@ class Trainer:
                  self.pm.dims.true_vocab_size, self.pm.dims.vocab_size, cfg.parallel.zero_stage,
                  cfg.train.precision, cfg.train.ac, self.global_batch, self.micro_batch, cfg.train.grad_accum,
                  layout.dp, self.lr)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The parallel model, its weights filled from the seeded init on first use unless a checkpoint filled them."""
+        self.pm.fill()
+        return self.pm.model
 
     def _autocast(self):
         dt = self.pm.autocast_dtype
@@ -139,6 +145,7 @@ class Trainer:
         if sync is None:
             sync = self.sync_steps or self.log_step(self.step + 1)
         accum = t.grad_accum
+        self.pm.fill()  # never train on unfilled memory (the pipeline's stages do not go through self.model)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for k in range(accum if self.pipe is None else 0):
@@ -192,9 +199,10 @@ class Trainer:
         world = dist.get_world_size()
         rng = ckpt_state.rng_table(world) if saved_world is None else torch.zeros(
             saved_world, torch.get_rng_state().numel(), dtype=torch.uint8)
-        optimizer = (ckpt_state.ZeroOneOptimizerState(self.model, self.optimizer) if self.pm.zero_stage == 1
-                     else ckpt_state.OptimizerState(self.model, self.optimizer))
-        return {"model": ckpt_state.ModelState(self.model), "optimizer": optimizer, "rng": rng}
+        model = self.pm.model  # not self.model: a resume loads into the unfilled weights
+        optimizer = (ckpt_state.ZeroOneOptimizerState(model, self.optimizer) if self.pm.zero_stage == 1
+                     else ckpt_state.OptimizerState(model, self.optimizer))
+        return {"model": ckpt_state.ModelState(model), "optimizer": optimizer, "rng": rng}
 
     def _extra(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
@@ -204,6 +212,7 @@ class Trainer:
     def save(self, mgr: CheckpointManager, asynchronous: bool = False) -> None:
         layout = self.s.summary.get("layout", {})
         prov = ckpt_state.provenance(to_dict(self.cfg), layout, self.cfg.parallel.zero_stage)
+        self.pm.fill()
         mgr.save(self.step, self._state(), self._extra(), prov, asynchronous=asynchronous)
 
     def resume(self, mgr: CheckpointManager) -> int | None:
@@ -238,6 +247,7 @@ class Trainer:
                     raise ValueError(f"train.resume = {r!r}: no checkpoint there loads cleanly")
                 return None
             step, extra, state = found
+        self.pm.loaded()  # every parameter came from the checkpoint: no seeded init
         self.step, self.tokens_seen = extra["step"], extra["tokens_seen"]
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])
@@ -274,6 +284,7 @@ class Trainer:
         world = dist.get_world_size()
         flag = self.s.preempt  # installed at process start, so a signal during start-up or the resume is kept
         resumed = self.resume(mgr)
+        self.pm.fill()  # nothing loaded: the seeded init, before the peak memory is reset
         peak, gemm = self.mfu_peak()
         memory = metrics.reset_peak_memory(self.device)  # initialisation is over: the peak from here is training's
         profiler = metrics.start_profiler(self.cfg.train.profile_steps, self.s.run_dir, self.s.rank, self.device)
