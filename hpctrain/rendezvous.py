@@ -166,9 +166,12 @@ def abort_launch(code: int = 1) -> None:
     A failed rank must not exit normally under MPI: mpi4py's exit hook calls MPI_Finalize, which waits for peers
     that may be stuck in a collective or stopped, and the job would hold its nodes until the time limit."""
     if mpi_running():
+        comm = sys.modules["mpi4py.MPI"].COMM_WORLD
         sys.stdout.flush()
-        sys.stderr.flush()
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+        # said by us, flushed: MPICH's own "application called MPI_Abort" line can be lost when the launcher kills
+        # the ranks first (seen once under load)
+        print(f"hpctrain: rank {comm.Get_rank()} failed: MPI_Abort ends the launch", file=sys.stderr, flush=True)
+        comm.Abort(code)
 
 
 # Where a launcher states how many ranks it started, checked against MPI's own count by identify().

@@ -206,7 +206,7 @@ def test_raising_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
     assert gone is not None and gone < 5, f"ranks alive {gone} s after the exception:\n{launch.output[-3000:]}"
     assert launch.proc.returncode != 0
     assert "RuntimeError: HPCTRAIN_FAULT: injected failure on rank 1 at ready" in launch.output
-    assert "MPI_Abort" in launch.output and "Timed out" not in launch.output
+    assert "failed: MPI_Abort ends the launch" in launch.output and "Timed out" not in launch.output
     record("exception on rank 1 after start-up (mpiexec -n 2)", "traceback printed, MPI_Abort ends both ranks at "
            "once (no collective timeout), exit non-zero", gone, "mpi")
 
