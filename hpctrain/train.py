@@ -26,6 +26,7 @@ from hpctrain import data, metrics, optim, parallelize, pipeline, preempt, sessi
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
 from hpctrain.config import Config, load_config, to_dict
+from hpctrain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +272,12 @@ class Trainer:
         t = self.cfg.train
         mlog = metrics.MetricsLog(self.s.run_dir, self.s.rank == 0, t.steps)
         mgr = CheckpointManager(self.cfg.checkpoint, self.s.run_dir, self.s.rank)
+        self.dog = None
         try:
             return self._fit(mgr, mlog)  # waits for its own saves
         finally:
+            if self.dog is not None:
+                self.dog.stop()
             mgr.close()  # the directory lock
             self.loader.close()  # the read-ahead thread; it rewinds to the consumed batches, so stepping on is fine
             self.sync_steps = True
@@ -297,8 +301,10 @@ class Trainer:
         # a signal during start-up or the resume: stop before training; what was resumed is already on disk
         preempted = flag.poll(self.device)[0]
         self.sync_steps = False  # the host reads the device on log steps only
+        self.dog = Watchdog(self.cfg.parallel.timeout_s + 60)  # a hang no collective timeout ends ends the job
         while self.step < t.steps and not preempted:
             row = self.train_step()
+            self.dog.beat()
             log_step = self.log_step(self.step)
             pending.append(row["loss"])
             if log_step:
@@ -322,6 +328,7 @@ class Trainer:
                     self.save(mgr, asynchronous=self.cfg.checkpoint.async_save)
                 except NoSpace as e:  # a periodic save may wait for space; the final and preemption ones may not
                     log.warning("periodic checkpoint skipped: %s", e)
+                self.dog.beat()
             if log_step:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -337,6 +344,7 @@ class Trainer:
                     log.info("%s", mlog.progress(row))
                 tick, tokens_at_tick = time.time(), self.tokens_seen
                 last = row
+        self.dog.stop()  # the final save's collectives have their own timeout, and it may take long
         losses += self._read_losses(pending)  # a preemption stops between log steps
         if profiler is not None:
             profiler.stop()
