@@ -67,10 +67,11 @@ def verdict(benchmark: str, metric: str, ratios: Sequence[float], target: float,
         met = med >= target if better == "higher" else med <= target
         crosses = lo < target < hi
     status = ("met" if met else "NOT MET") + (" (interval crosses the target)" if met and crosses else "")
-    goal = {"higher": f">= {target:g}", "lower": f"<= {target:g}", "within": f"within {center:g} +- {target:g}"}[better]
+    goal = {"higher": f">= {target:g}", "lower": f"<= {target:g}",
+            "within": f"within {center:g} +- {target:g}"}[better]
     rec = {"benchmark": benchmark, "metric": metric, "estimator": ESTIMATOR, "rounds": len(ratios),
-           "median": med, "ci95": [lo, hi], "coverage": round(coverage, 4), "target": target, "better": better, "center": center,
-           "met": met, "status": status, "unit": unit, "note": note, "ratios": ratios}
+           "median": med, "ci95": [lo, hi], "coverage": round(coverage, 4), "target": target, "better": better,
+           "center": center, "met": met, "status": status, "unit": unit, "note": note, "ratios": ratios}
     print(f"VERDICT {benchmark}: {metric}: median {med:.3f} (95% {lo:.3f}-{hi:.3f}, {len(ratios)} rounds) "
           f"target {goal}: {status}", flush=True)
     return rec

@@ -7,8 +7,10 @@ activation memory per schedule, one 70B rank's initialisation.
                                  [--ranks 4]
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
-several ranks; outputs go to benchmarks/results/. Exits non-zero if a step fails (a wrong collective result, or a
-benchmark whose two sides disagree, included).
+several ranks; outputs go to benchmarks/results/. Every benchmark judges itself by the rule in
+benchmarks/README.md; afterwards readme_table.py rewrites the README's "Measured here" table from the results
+files' verdict records (a missed target is a NOT MET row, not a failed step). Exits non-zero if a step fails (a
+wrong collective result, or a benchmark whose two sides disagree, included).
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ def main() -> None:
             print(f"=== {name}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
             if rc:
                 failed.append(name)
+    subprocess.call([sys.executable, str(HERE / "readme_table.py")], cwd=REPO)
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
     print(f"\nresults in {RESULTS}")
