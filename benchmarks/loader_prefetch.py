@@ -10,21 +10,19 @@ on one rank, data from an HDF5 token file (32M random ids, page cache warm), in 
   cpu     The Trainer's own step on this CPU (fp32, 1 rank, ~3.4M parameters, 4 x 256 tokens), between log steps
           as fit() runs them: compute holds both cores, so the read-ahead thread can only compete for them.
 
-Rule, fixed before any run: each round runs both loaders for the same number of steps back to back, which goes
-first alternating (order balanced over the rounds); a round's ratio is the synchronous time / the prefetching time
-(= prefetching tokens/s / synchronous tokens/s); every round counts; the verdict is the median of the per-round
-ratios, printed with its distribution-free 95% interval (order statistics of the binomial), against targets
-device >= 1.25 and cpu >= 0.97 (prefetching must not slow a CPU-bound step). A prefetching segment ends by closing
-its loader (the thread stops, the position rewinds to the consumed batches), so no round starts with batches read
-during the other loader's turn. Checks: both loaders give the same batches (device), the same per-step losses
+Rule (benchmarks/README.md, _verdict.py): each round runs both loaders for the same number of steps back to
+back, which goes first alternating (_verdict.balanced); a round's ratio is the synchronous time / the prefetching
+time (= prefetching tokens/s / synchronous tokens/s); every round counts; the verdict is the median of the
+per-round ratios with its 95% interval, against targets device >= 1.25 and cpu >= 0.97 (prefetching must not slow
+a CPU-bound step). A prefetching segment ends by closing its loader (the thread stops, the position rewinds to the
+consumed batches), so no round starts with batches read during the other loader's turn. Checks: both loaders
+give the same batches (device), the same per-step losses
 (cpu); a failed check exits non-zero. One untimed round first. Writes benchmarks/results/loader_prefetch.json.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import math
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _verdict import balanced, verdict
 
 from _launch import write_results
 from hpctrain import data, session
@@ -42,19 +41,6 @@ TARGETS = {"device": 1.25, "cpu": 0.97}
 CPU_CASE = ["model.vocab_size=256", "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=256",
             "data.source=hdf5", "data.seq_len=256", "train.micro_batch_size=4", "train.warmup_steps=0",
             "train.peak_tflops=1", "parallel.pp=1", "parallel.tp=1", "parallel.dp=-1", "job.name=bench-prefetch"]
-
-
-def median_ci(xs: list[float]) -> tuple[float, float, float]:
-    """The median and its distribution-free 95% interval [x_(k), x_(n+1-k)], k the largest with
-    P(Binomial(n, 1/2) <= k - 1) <= 0.025; (median, 0, inf) below 6 rounds, where no such k exists."""
-    s, n = sorted(xs), len(xs)
-    k, tail = 0, 0.0
-    while True:
-        tail += math.comb(n, k) / 2 ** n  # P(B <= k)
-        if tail > 0.025:
-            break
-        k += 1
-    return statistics.median(s), (s[k - 1] if k else 0.0), (s[n - k] if k else math.inf)
 
 
 def token_file(root: Path) -> Path:
@@ -127,7 +113,7 @@ def rounds(args, segment) -> dict[str, list[float]]:
         segment(name)
     times: dict[str, list[float]] = {"sync": [], "prefetch": []}
     for r in range(args.rounds):
-        for name in (("sync", "prefetch") if r % 2 == 0 else ("prefetch", "sync")):
+        for name in balanced(r, ("sync", "prefetch")):
             times[name].append(segment(name))
     return times
 
@@ -140,34 +126,33 @@ def main() -> None:
     ap.add_argument("--cpu-steps", type=int, default=4, help="steps per round, cpu case")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = token_file(Path(tmp))
         cases = {"device": device_case(args, path), "cpu": cpu_case(args, path, args.run_root)}
-    for name, c in cases.items():
+    for c in cases.values():
         c["ratios"] = [s / p for s, p in zip(c["times_s"]["sync"], c["times_s"]["prefetch"])]
-        c["median"], lo, hi = median_ci(c["ratios"])
-        c["ci95"] = [lo, hi]
-        c["target"] = TARGETS[name]
-        c["verdict"] = "MET" if c["median"] >= TARGETS[name] and c["check"] else "NOT MET"
-    report(args, cases)
+    report(args, cases, time.perf_counter() - t_start)
 
 
-def report(args, cases: dict) -> None:
+def report(args, cases: dict, elapsed: float) -> None:
     d, c = cases["device"], cases["cpu"]
     print(f"# prefetching / synchronous loader, 1 rank, {args.rounds} rounds, order alternating, HDF5 token file")
     print(f"# device: batch 8 x 2048 loads in {d['load_s'] * 1e3:.2f} ms (synchronous), simulated device "
           f"{d['device_s'] * 1e3:.2f} ms per step, {d['steps_per_round']} steps per round; ideal {d['ideal']:.2f}")
     print(f"# cpu: Trainer step, fp32, {c['params'] / 1e6:.1f}M parameters, {c['threads']} threads, batch 4 x 256, "
           f"{c['steps_per_round']} steps per round")
-    print(f"# {'case':<7} {'median':>7} {'95% interval':>15} {'target':>7} {'check':>6}  verdict")
     for name, x in cases.items():
-        print(f"  {name:<7} {x['median']:>7.3f} {x['ci95'][0]:>7.3f}-{x['ci95'][1]:<7.3f} {x['target']:>7.2f} "
-              f"{'ok' if x['check'] else 'FAIL':>6}  {x['verdict']}  ({x['check_what']})")
-    verdict = "MET" if all(x["verdict"] == "MET" for x in cases.values()) else "NOT MET"
-    print(f"# tokens/s prefetching / synchronous, median of per-round ratios: {verdict}")
+        print(f"# check {name}: {'ok' if x['check'] else 'FAIL'} ({x['check_what']})")
+    metrics = {"device": (f"tokens/s prefetch / sync loader, device-bound step ({args.device_x:g}x load)",
+                          f"simulated device wait, 8x2048 batch, ideal {d['ideal']:.2f}"),
+               "cpu": ("tokens/s prefetch / sync loader, CPU Trainer step",
+                       f"{c['params'] / 1e6:.1f}M params, fp32, {c['threads']} threads")}
+    recs = [verdict("loader_prefetch", metrics[name][0], cases[name]["ratios"], TARGETS[name], note=metrics[name][1])
+            for name in cases]
+    print(f"# {elapsed:.0f} s")
     write_results("loader_prefetch.json", {
-        "verdict": verdict, "targets": TARGETS, "rule": "median of per-round ratios, distribution-free 95% "
-        "interval, all rounds, order alternating", "rounds": args.rounds, "cases": cases,
+        "verdicts": recs, "targets": TARGETS, "rounds": args.rounds, "seconds": elapsed, "cases": cases,
         "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
     if not all(x["check"] for x in cases.values()):
         sys.exit("check failed: the two loaders did not give the same batches")
