@@ -1,14 +1,18 @@
 """Multi-process tier for training: every layout trains the same model as one process.
 
-Same seed, same data, 8 steps of a tiny Llama on gloo: per-step losses and final full weights of each layout
-must match the single-process reference within fp32 tolerance (reduction order differs across layouts). bf16
-is held to a stated looser tolerance; fp16 must skip exactly the step whose gradients were made infinite.
+Same seed, same data, 8 steps of a tiny Llama on gloo: per-step losses, per-step pre-clip gradient norms and final
+full weights of each layout must match the single-process reference within fp32 tolerance (reduction order
+differs across layouts). The gradient norm is the check that sees gradient scale: AdamW is invariant to a constant
+factor on the gradients, so a dp reduction that sums instead of averaging, or a missing 1/grad_accum, leaves losses
+and weights alone unless clipping happens to engage (tests/test_grad_scale_mutations.py proves it). bf16
+is held to stated looser tolerances; fp16 must skip exactly the step whose gradients were made infinite.
 Pipeline layouts (GPipe, 1F1B, interleaved, ZBV zero bubble, with tp and with dp/ZeRO) are held to the same
 tolerances; their weights are gathered from every stage.
 """
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +26,8 @@ from conftest import REPO, free_base_port, spawn_ranks
 LOSS_TOL = 2e-5  # fp32, absolute, per step
 WEIGHT_TOL = 2e-4  # fp32, max absolute difference of any weight after 8 AdamW steps at lr 1e-3
 BF16_LOSS_TOL = 5e-2  # bf16 compute against the fp32 reference
+NORM_RTOL = 1e-5  # fp32, relative, per step, the global pre-clip gradient norm: layouts reach 3e-7
+BF16_NORM_RTOL = 1e-2  # bf16 (and fp16) compute against the fp32 reference: 1e-3 seen
 
 PP = ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
 FOUR_LAYERS = ["model.n_layers=4"]  # 2 virtual stages on each of 2 ranks: a block per stage
@@ -87,9 +93,24 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return {f.stem: torch.load(f) for f in out.glob("*.pt")}
 
 
-def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None) -> None:
+def _compare_losses(got: dict, ref: dict, loss_tol: float) -> None:
     diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
     assert len(got["losses"]) == len(ref["losses"]) and max(diffs) <= loss_tol, (got["losses"], ref["losses"])
+
+
+def norm_errors(got: list[float], ref: list[float]) -> list[float]:
+    """Per-step relative error of the pre-clip gradient norm against the reference's."""
+    assert len(got) == len(ref), (got, ref)
+    return [abs(a - b) / b for a, b in zip(got, ref)]
+
+
+def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None, norm_rtol: float) -> None:
+    """A layout's run against the single-process reference: losses, gradient norms, and (weight_tol) weights."""
+    _compare_losses(got, ref, loss_tol)
+    # the check that sees a gradient scale: losses and weights do not (AdamW), unless clipping engages
+    worst = max(norm_errors(got["grad_norms"], ref["grad_norms"]))
+    assert worst <= norm_rtol, f"grad norm relative error {worst:.3g} > {norm_rtol:g}: {got['grad_norms']} vs " \
+                               f"{ref['grad_norms']}"
     assert set(got["weights"]) == set(ref["weights"])
     if weight_tol is not None:
         worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
@@ -100,18 +121,18 @@ def _compare(got: dict, ref: dict, loss_tol: float, weight_tol: float | None) ->
                                   "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4",
                                   "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
-    _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
+    _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
 
 
 @pytest.mark.parametrize("case", ["pp2_gpipe", "pp2_1f1b", "pp2tp2", "pp2dp2_zero0", "pp2dp2_zero3"])
 def test_pipeline_matches_single_process(results, case) -> None:
-    _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL)
+    _compare(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
 
 
 @pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe", "pp2v2dp2_interleaved_zero1_ac",
                                   "pp2v2dp2_zbv_zero2"])
 def test_pipeline_four_stages_match_single_process(results, case) -> None:
-    _compare(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL)
+    _compare(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
 
 
 def test_pipeline_zero3_gathers_parameters_once_per_step(results) -> None:
@@ -134,7 +155,7 @@ def test_reference_learns(results) -> None:
 
 @pytest.mark.parametrize("case", ["dp2_zero3_bf16", "pp2_bf16"])
 def test_bf16_within_looser_tolerance(results, case) -> None:
-    _compare(results[case], results["ref"], BF16_LOSS_TOL, None)
+    _compare(results[case], results["ref"], BF16_LOSS_TOL, None, BF16_NORM_RTOL)
     assert results[case]["losses"] != results["ref"]["losses"]  # it really ran in bf16
 
 
@@ -146,3 +167,6 @@ def test_fp16_skips_the_poisoned_step(results) -> None:
     # before the poisoned step it is the reference run in fp16; afterwards it has lost one update but learns on
     assert max(abs(a - b) for a, b in zip(r["losses"][:3], results["ref"]["losses"][:3])) <= BF16_LOSS_TOL
     assert r["losses"][-1] < r["losses"][3] - 0.05
+    # the norm too: the reference's in fp16 before the poisoned step, inf on it (never reaching the weights)
+    assert max(norm_errors(r["grad_norms"][:2], results["ref"]["grad_norms"][:2])) <= BF16_NORM_RTOL
+    assert r["grad_norms"][2] == float("inf") and all(math.isfinite(n) for n in r["grad_norms"][3:])

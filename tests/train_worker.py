@@ -1,6 +1,7 @@
-"""Runs training cases in one process (one rank) and records each case's per-step losses and final full
-weights, for tests/test_train_equivalence.py; also, on rank 0, each FSDP module's reshard_after_forward and the
-all-gathers of the last step. Used two ways:
+"""Runs training cases in one process (one rank) and records each case's per-step losses, pre-clip gradient norms
+and final full weights, for tests/test_train_equivalence.py and tests/test_grad_scale_mutations.py; also, on rank
+0, each FSDP module's reshard_after_forward and the all-gathers of the last step. A case may name a deliberate
+gradient bug ("mutation": HPCTRAIN_TEST_MUTATION, for that case only). Used two ways:
 
     python tests/train_worker.py OUT CASES_JSON BASE_PORT      # one rank of a torchrun-style spawn
     run_case(overrides, out_file)                              # in the test process, as the 1-rank reference
@@ -17,7 +18,7 @@ import torch
 
 from hpctrain import session
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.train import MUTATION_ENV, Trainer
 
 TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
         "data.source=synthetic", "data.seq_len=32", "train.steps=8", "train.lr=1e-3", "train.warmup_steps=2",
@@ -70,11 +71,12 @@ def counting_all_gathers(counter: list[int]):
 
 
 def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
-    """Trains one case; rank 0 saves {"losses", "skipped", "scales", "weights", "fsdp", "gathers"} to `out`."""
+    """Trains one case; rank 0 saves {"losses", "grad_norms", "skipped", "scales", "weights", "fsdp", "gathers"} to
+    `out`. grad_norms: the global pre-clip norm of each step (inf on a step skipped for non-finite gradients)."""
     cfg = load_config(None, TINY + overrides + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
     with session.start(cfg) as s:
         tr = Trainer(cfg, s)
-        losses, skipped, scales = [], [], []
+        losses, norms, skipped, scales = [], [], [], []
         gathers = [0]
         for step in range(cfg.train.steps):
             if inject_inf_step and step + 1 == inject_inf_step and s.rank == s.ident.world_size - 1:
@@ -83,11 +85,12 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
             with counting_all_gathers(gathers) if last else contextlib.nullcontext():
                 row = tr.train_step()
             losses.append(row["loss"])
+            norms.append(float(row["grad_norm"]))
             skipped.append(row["skipped"])
             scales.append(row["loss_scale"])
         weights = full_weights(tr.model)
         if s.rank == 0:
-            torch.save({"losses": losses, "skipped": skipped, "scales": scales, "weights": weights,
+            torch.save({"losses": losses, "grad_norms": norms, "skipped": skipped, "scales": scales, "weights": weights,
                         "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0]}, out)
     return {"losses": losses}
 
@@ -111,10 +114,15 @@ def main(out: str, cases_json: str, base_port: int) -> None:
     errors = {}
     for i, case in enumerate(json.loads(cases_json)):
         os.environ["MASTER_PORT"] = str(base_port + i)
+        # a case's deliberate bug (hpctrain.train.gradient_mutation), for this case only
+        os.environ.pop(MUTATION_ENV, None)
+        if case.get("mutation"):
+            os.environ[MUTATION_ENV] = case["mutation"]
         try:
             run_case(case["overrides"], Path(out) / f"{case['name']}.pt", case.get("inject_inf_step", 0))
         except Exception as e:  # recorded so the test shows which case failed and why
             errors[case["name"]] = f"{type(e).__name__}: {e}"
+    os.environ.pop(MUTATION_ENV, None)
     Path(out, f"errors-rank{rank}.json").write_text(json.dumps(errors))
 
 
