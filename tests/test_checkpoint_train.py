@@ -102,22 +102,58 @@ def test_reshard_on_load(runs, layout) -> None:
     _continues_from_step4(runs[layout], runs["full"])
 
 
+def stored_datasets(ckpt: Path) -> dict[str, tuple]:
+    """Every dataset of a checkpoint's shard files, whatever its dtype (float, uint8 RNG tables and JSON, bf16 bit
+    patterns as uint16): "<shard>/<dataset>" -> (numpy dtype, shape, raw bytes, attributes), read with plain h5py."""
+    out = {}
+
+    def visit(name: str, obj) -> None:
+        if isinstance(obj, h5py.Dataset):
+            attrs = tuple(sorted((k, str(v)) for k, v in obj.attrs.items()))
+            out[f"{shard.name}/{name}"] = (obj.dtype.str, obj.shape, np.asarray(obj[()]).tobytes(), attrs)
+    for shard in sorted(ckpt.glob("*.h5")):
+        with h5py.File(shard) as f:
+            f.visititems(visit)
+    return out
+
+
+def assert_bitwise_equal(a: dict[str, tuple], b: dict[str, tuple]) -> None:
+    """Two stored_datasets results: the same dataset names, each with the same dtype, shape, bytes and attributes."""
+    assert a, "no datasets: a comparison of nothing would pass"
+    assert a.keys() == b.keys(), f"only in one: {sorted(a.keys() ^ b.keys())}"
+    differ = [k for k in a if a[k] != b[k]]
+    assert not differ, f"{len(differ)} of {len(a)} datasets differ: {differ[:10]}"
+
+
+def test_bitwise_comparison_sees_every_dtype(tmp_path) -> None:
+    """The helper itself: a flipped byte in a uint8 (RNG) or uint16 (bf16) dataset, or an extra dataset, fails."""
+    arrays = {"w/0_0": np.arange(6, dtype=np.float32).reshape(2, 3), "rng/0_0": np.arange(8, dtype=np.uint8),
+              "bf16/0_0": torch.ones(4, dtype=torch.bfloat16).view(torch.uint16).numpy()}
+
+    def write(name: str, changes: dict) -> dict:
+        (tmp_path / name).mkdir()
+        with h5py.File(tmp_path / name / "shard-0.h5", "w") as f:
+            for key, arr in (arrays | changes).items():
+                f.create_dataset(key, data=arr).attrs["dtype"] = "uint8" if arr.dtype == np.uint8 else "x"
+        return stored_datasets(tmp_path / name)
+    base = write("base", {})
+    assert_bitwise_equal(base, write("same", {}))
+    for i, (key, dtype) in enumerate([("rng/0_0", np.uint8), ("bf16/0_0", np.uint16)]):
+        changed = arrays[key].copy()
+        changed[1] ^= np.array(1, dtype=dtype)
+        with pytest.raises(AssertionError, match=f"1 of 3 datasets differ: \\['shard-0.h5/{key}'\\]"):
+            assert_bitwise_equal(base, write(f"flip{i}", {key: changed}))
+    with pytest.raises(AssertionError, match="only in one"):
+        assert_bitwise_equal(base, write("extra", {"extra/0": np.zeros(1, dtype=np.uint8)}))
+
+
 def test_async_save_writes_what_sync_writes(runs) -> None:
     sync, asyn = runs["out"] / "ckB" / "step_00000004", runs["out"] / "ckF" / "step_00000004"
     assert (asyn / "COMMITTED").is_file()
     assert json.loads((asyn / "train_state.json").read_text())["step"] == 4
     shards = sorted(p.name for p in sync.glob("*.h5"))
     assert shards == sorted(p.name for p in asyn.glob("*.h5")) and len(shards) == 4
-    for name in shards:
-        with h5py.File(sync / name) as a, h5py.File(asyn / name) as b:
-            def walk(group_a, group_b):
-                assert sorted(group_a) == sorted(group_b)
-                for key in group_a:
-                    if isinstance(group_a[key], h5py.Group):
-                        walk(group_a[key], group_b[key])
-                    elif not key.startswith("bytes"):
-                        assert np.array_equal(group_a[key][()], group_b[key][()]), (name, group_a[key].name)
-            walk(a, b)
+    assert_bitwise_equal(stored_datasets(sync), stored_datasets(asyn))  # every dataset: RNG table and JSON too
 
 
 def test_keep_last_k(runs) -> None:
