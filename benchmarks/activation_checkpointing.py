@@ -1,26 +1,34 @@
-"""Activation memory saved for backward and step time with train.ac = none, full and every (k=2), one process.
+"""Peak activation memory over forward + backward and step time with train.ac = none, full and every (k=2), one
+process, fp32 on CPU.
 
-    python benchmarks/activation_checkpointing.py [--rounds 12] [--steps 2] [--budget-s 100]
+    python benchmarks/activation_checkpointing.py [--rounds 12] [--steps 2]
 
-Memory: one forward (and the loss) of each mode's Trainer model runs under
+Memory (bytes counted, deterministic): one forward (and the loss) of each mode's Trainer model runs under
 torch.autograd.graph.saved_tensors_hooks; every tensor autograd packs is recorded by its storage (deduplicated,
 so views and the same tensor saved twice count once). Inside a checkpointed block torch's checkpoint installs
 its own hooks and saves nothing; what it keeps for the recompute are the block's inputs, recorded by a forward
 pre-hook on each checkpoint wrapper. Parameters and buffers (rope tables) are not activations and are left out.
-The sum is what the forward leaves alive for backward: the peak of saved activations, reached when forward
-ends. Under checkpointing backward adds one recomputed block at a time on top (estimated from the largest block
-of the 'none' run and printed beside it).
+That sum is what forward leaves alive for backward. Backward then frees saved tensors as it goes, and under
+checkpointing recomputes one block at a time, which saves again exactly what that block saved in the 'none'
+forward (the same ops on the same input; measured there per block). The peak over forward + backward is
+therefore: 'none': the saved bytes at the end of forward; checkpointed modes: the saved bytes at the end of
+forward + the largest recomputed block's saved bytes (an upper bound: by the time a block recomputes, the loss
+and output layer have freed theirs). Headline (benchmarks/README.md's rule, one round since bytes are counted):
+1 - peak(full) / peak(none), target >= 50% less peak activation memory. Printed beside it (raw data): the
+saved bytes at the end of forward alone (the old headline), and the CPU allocator's peak over one forward +
+backward above what was allocated before it (torch.profiler, profile_memory), which also counts parameter
+gradients and temporaries.
 
-Time: the three Trainers (same init, same data) alternate rounds of a few steps (none, full, every, ...); step
-time ratios to 'none' from the best rounds, the median rounds, and the median of each round's ratio to the 'none'
-round beside it (paired); their losses must match step for step. Target: full checkpointing cuts saved
-activation memory by >= 50%; the extra step time is reported as a ratio to 'none', beside the ratio that FLOP
-counting predicts (one more forward of the checkpointed blocks per step).
+Time: the three Trainers (same init, same data) run --rounds rounds of --steps steps each, the order reversed
+every other round (_verdict.balanced); their losses must match step for step. Second verdict: the step time of
+full checkpointing over 'none', paired per round, median; target, fixed before the run: no more than FLOP
+counting predicts (1 + one more forward of every block / the step's FLOPs).
 Writes benchmarks/results/activation_checkpointing.json.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -28,6 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _verdict import balanced
+from _verdict import verdict as rule_verdict
 
 from _launch import write_results
 from hpctrain import session
@@ -35,7 +45,7 @@ from hpctrain.config import load_config
 from hpctrain.train import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGET = 0.50
+TARGET = 0.50  # full AC: peak activation memory over forward + backward at least 50% below 'none'
 LOSS_TOL = 1e-4  # fp32, absolute: recomputation repeats the same kernels on the same inputs
 MODES = ("none", "full", "every")
 # the overhead benchmark's model and batch: ~10.8M parameters, 6 blocks, 4 x 128 tokens
@@ -89,12 +99,33 @@ def saved_activations(tr: Trainer, x: torch.Tensor, y: torch.Tensor) -> dict:
     return out  # the graph (loss) and `keep` go here, freeing what was saved
 
 
+def allocator_peak(tr: Trainer, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The CPU allocator's bytes over one forward + loss + backward (torch.profiler's memory events, in order):
+    the peak and the end, above what was allocated before; gradients set to None before and after."""
+    from torch.profiler import ProfilerActivity, profile
+    model = tr.model
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        del logits, loss
+    model.zero_grad(set_to_none=True)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return {"peak_bytes": peak, "end_bytes": cur, "events": len(events)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=2, help="steps per round")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget-s", type=float, default=100.0, help="stop adding rounds after this (>= 3 rounds)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
     args = ap.parse_args()
     base = CASE + [f"job.run_root={args.run_root}"]
@@ -105,16 +136,16 @@ def main() -> None:
         trainers["none"].loader.load_state_dict({"epoch": 0, "sample_index": 0, "seed": cfg.train.seed,
                                                   "samples_seen": 0})
         memory = {m: saved_activations(tr, x, y) for m, tr in trainers.items()}
+        for m, tr in trainers.items():
+            memory[m]["allocator"] = allocator_peak(tr, x, y)
         losses: dict[str, list[float]] = {m: [] for m in MODES}
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for _ in range(args.warmup):
             for m, tr in trainers.items():
                 losses[m].append(tr.train_step()["loss"])
-        t_start = time.perf_counter()
         for r in range(args.rounds):
-            if r >= 3 and time.perf_counter() - t_start > args.budget_s:
-                break
-            for m, tr in trainers.items():
+            for m in balanced(r, MODES):
+                tr = trainers[m]
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     losses[m].append(tr.train_step()["loss"])
@@ -125,50 +156,66 @@ def main() -> None:
 def report(args, cfg, dims, memory: dict, losses: dict, times: dict, threads) -> None:
     none = memory["none"]["total"]
     blocks = {k: v for k, v in memory["none"]["per_region"].items() if k.startswith("block")}
-    largest_block = max(blocks.values())
     # forward FLOPs per token of one block: 2 per matmul weight plus attention's 4 * dim * seq_len
     block_fwd = (2 * (dims.num_params(embeddings=False) - (2 * dims.n_layers + 1) * dims.dim) / dims.n_layers
                  + 4 * dims.dim * cfg.data.seq_len)
-    recomputed = {"none": 0, "full": dims.n_layers, "every": len(range(0, dims.n_layers, cfg.train.ac_every))}
+    keys = sorted(blocks, key=lambda k: int(k.split()[1]))
+    checkpointed = {"none": [], "full": keys, "every": keys[::cfg.train.ac_every]}  # parallelize.apply_ac's choice
     rows = {}
     for m in MODES:
-        best, med = min(times[m]) / args.steps, statistics.median(times[m]) / args.steps
-        rows[m] = {"saved_bytes": memory[m]["total"], "checkpoint_input_bytes": memory[m]["checkpoint_inputs"],
-                   "saved_vs_none": memory[m]["total"] / none,
-                   "backward_peak_est_bytes": memory[m]["total"] + (largest_block if m != "none" else 0),
-                   "time_vs_none_flops": 1 + recomputed[m] * block_fwd / dims.flops_per_token(cfg.data.seq_len),
-                   "step_s_best": best, "step_s_median": med, "per_region": memory[m]["per_region"]}
+        recompute = max((blocks[k] for k in checkpointed[m]), default=0)  # one block recomputed at a time
+        alloc = memory[m]["allocator"]
+        rows[m] = {"peak_bytes": memory[m]["total"] + recompute, "saved_bytes": memory[m]["total"],
+                   "largest_recomputed_block_bytes": recompute,
+                   "checkpoint_input_bytes": memory[m]["checkpoint_inputs"],
+                   "allocator_peak_bytes": alloc["peak_bytes"], "allocator_end_bytes": alloc["end_bytes"],
+                   "time_vs_none_flops": 1 + len(checkpointed[m]) * block_fwd / dims.flops_per_token(cfg.data.seq_len),
+                   "step_s_median": statistics.median(times[m]) / args.steps, "per_region": memory[m]["per_region"]}
     for m in MODES:
-        rows[m]["time_vs_none_best"] = rows[m]["step_s_best"] / rows["none"]["step_s_best"]
-        rows[m]["time_vs_none_median"] = rows[m]["step_s_median"] / rows["none"]["step_s_median"]
-        # each round against the 'none' round beside it: cancels drift slower than a round
-        rows[m]["time_vs_none_paired"] = statistics.median(t / n for t, n in zip(times[m], times["none"]))
+        r = rows[m]
+        r["peak_vs_none"] = r["peak_bytes"] / rows["none"]["peak_bytes"]
+        r["saved_vs_none"] = r["saved_bytes"] / none
+        r["allocator_peak_vs_none"] = r["allocator_peak_bytes"] / rows["none"]["allocator_peak_bytes"]
+        # each round against the 'none' round of the same round
+        r["time_vs_none_per_round"] = [t / n for t, n in zip(times[m], times["none"])]
+        r["time_vs_none_median"] = statistics.median(r["time_vs_none_per_round"])
     loss_diff = {m: max(abs(a - b) for a, b in zip(losses[m], losses["none"])) for m in ("full", "every")}
     checks_ok = all(d <= LOSS_TOL for d in loss_diff.values())
-    cut = 1 - rows["full"]["saved_vs_none"]
-    verdict = "MET" if cut >= TARGET and checks_ok else "NOT MET"
     print(f"# activation checkpointing, 1 rank, {threads} threads, fp32, {dims.num_params() / 1e6:.2f}M params, "
           f"{dims.n_layers} blocks, batch {cfg.train.micro_batch_size} x {cfg.data.seq_len}; "
-          f"{len(times['none'])} alternating rounds of {args.steps} steps; MB = 1e6 bytes")
-    print(f"# {'ac':<6} {'saved MB':>9} {'vs none':>7} {'ckpt inputs MB':>14} {'bwd peak est MB':>15} "
-          f"{'step s best':>11} {'step s med':>10} {'x best':>6} {'x med':>6} {'x pair':>6} {'x FLOP':>6}")
+          f"{len(times['none'])} rounds of {args.steps} steps, order alternating; MB = 1e6 bytes")
+    print(f"# {'ac':<6} {'peak MB':>8} {'vs none':>7} {'saved MB':>9} {'vs none':>7} {'ckpt in MB':>10} "
+          f"{'alloc pk MB':>11} {'vs none':>7} {'step s med':>10} {'x pair':>6} {'x FLOP':>6}")
     for m, r in rows.items():
-        print(f"  {m:<6} {r['saved_bytes'] / 1e6:>9.2f} {r['saved_vs_none']:>7.3f} "
-              f"{r['checkpoint_input_bytes'] / 1e6:>14.2f} {r['backward_peak_est_bytes'] / 1e6:>15.2f} "
-              f"{r['step_s_best']:>11.4f} {r['step_s_median']:>10.4f} {r['time_vs_none_best']:>6.3f} "
-              f"{r['time_vs_none_median']:>6.3f} {r['time_vs_none_paired']:>6.3f} {r['time_vs_none_flops']:>6.3f}")
+        print(f"  {m:<6} {r['peak_bytes'] / 1e6:>8.2f} {r['peak_vs_none']:>7.3f} {r['saved_bytes'] / 1e6:>9.2f} "
+              f"{r['saved_vs_none']:>7.3f} {r['checkpoint_input_bytes'] / 1e6:>10.2f} "
+              f"{r['allocator_peak_bytes'] / 1e6:>11.2f} {r['allocator_peak_vs_none']:>7.3f} "
+              f"{r['step_s_median']:>10.4f} {r['time_vs_none_median']:>6.3f} {r['time_vs_none_flops']:>6.3f}")
     outside = memory["none"]["per_region"].get("outside blocks", 0)
-    print(f"# 'none': largest block saves {largest_block / 1e6:.2f} MB, outside blocks {outside / 1e6:.2f} MB "
-          f"(embedding, final norm, logits, loss); bwd peak est = saved + one recomputed block")
+    big = max(blocks.values())
+    print(f"# peak = saved at the end of forward + the largest recomputed block ('none': {big / 1e6:.2f} MB a block,"
+          f" outside blocks {outside / 1e6:.2f} MB); alloc pk = the CPU allocator's peak over forward + "
+          f"backward above its start (gradients and temporaries included)")
     print(f"# checks: max |loss - loss(none)| full {loss_diff['full']:.2e}, every {loss_diff['every']:.2e} "
           f"(tol {LOSS_TOL:g}, {len(losses['none'])} steps)")
-    x = {m: f"x{rows[m]['time_vs_none_best']:.3f} best, x{rows[m]['time_vs_none_median']:.3f} median, "
-            f"x{rows[m]['time_vs_none_paired']:.3f} paired" for m in ("full", "every")}
-    print(f"# full checkpointing cuts saved activations by {cut:.1%} (target >= {TARGET:.0%}: {verdict}); "
-          f"step time {x['full']} (FLOPs predict x{rows['full']['time_vs_none_flops']:.3f}); every-2 cuts "
-          f"{1 - rows['every']['saved_vs_none']:.1%} for {x['every']}")
+    full = rows["full"]
+    verdicts = [
+        rule_verdict("activation_checkpointing", "full AC: peak activation memory (fwd+bwd) cut vs none",
+                     [1 - full["peak_vs_none"]], TARGET, better="higher", unit="fraction",
+                     note=f"saved tensors at the end of forward + the largest recomputed block, {dims.n_layers} "
+                          f"blocks, batch {cfg.train.micro_batch_size}x{cfg.data.seq_len}; bytes counted, "
+                          f"deterministic"),
+        rule_verdict("activation_checkpointing", "full AC: step time / none", full["time_vs_none_per_round"],
+                     full["time_vs_none_flops"], better="lower",
+                     note=f"{args.steps} steps per mode a round; target: the FLOP-count prediction (one more forward "
+                          f"of every block)"),
+    ]
+    print(f"# every-{cfg.train.ac_every} (raw data): peak x{rows['every']['peak_vs_none']:.3f} of none, step time "
+          f"x{rows['every']['time_vs_none_median']:.3f} (FLOPs predict x{rows['every']['time_vs_none_flops']:.3f}); "
+          f"full: saved at the end of forward alone x{full['saved_vs_none']:.3f}, allocator peak "
+          f"x{full['allocator_peak_vs_none']:.3f}")
     write_results("activation_checkpointing.json", {
-        "cut_full": cut, "target": TARGET, "verdict": verdict, "rows": rows, "loss_diff": loss_diff,
+        "verdicts": verdicts, "target": TARGET, "rows": rows, "loss_diff": loss_diff,
         "loss_tol": LOSS_TOL, "times_s": times, "steps_per_round": args.steps, "threads": threads,
         "params": dims.num_params(), "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len,
         "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
