@@ -1,25 +1,30 @@
-"""How long a training loop is blocked by an asynchronous checkpoint save vs a synchronous one, with hpctrain's real
-Trainer and CheckpointManager (HDF5 storage through torch.distributed.checkpoint).
+"""What an asynchronous checkpoint save costs the training loop vs a synchronous one, with hpctrain's real Trainer
+and CheckpointManager (HDF5 storage through torch.distributed.checkpoint).
 
-    python benchmarks/async_stall.py [--ranks 1,2]   # driver: launches itself under mpiexec -n 1, then -n 2
+    python benchmarks/async_stall.py [--ranks 1,2] [--rounds 6]   # driver: mpiexec -n 1, then -n 2
     mpiexec -n 2 python benchmarks/async_stall.py    # one world size
 
 A ~50M-parameter fp32 model (0.2 GB of weights, 0.6 GB with AdamW's two moments) trains on synthetic data. Each
-round has a synchronous and an asynchronous save (which goes first alternates), each after a few plain steps that
-give the round's baseline step time. For each save, from the training thread:
+round has a synchronous and an asynchronous save (which goes first alternates, _verdict.balanced), each the same:
+--base-steps plain steps (the save's baseline: their median step time), the save, then steps after it: at least
+--after-steps, and for the async save until every rank's background write is done; at the first step boundary
+after that, CheckpointManager.wait() (rename, train_state.json, COMMITTED; nothing to do after a sync save, timed
+all the same). From the training thread, slowest rank:
   stall      wall time inside Trainer.save(mgr, asynchronous=...), the call the training loop makes (state dicts,
              RNG table, provenance, then CheckpointManager.save); `mgr.save` is the part inside the manager
+  after      the steps after the save (for the async save, those before wait() overlap the write) and their extra
+             seconds over the baseline: sum - count x baseline
+  cost       the save's total cost to the training loop: stall + wait() + the after steps' extra seconds
   written    async only: from the call until the background write finished (its future done, every rank)
-  committed  async only: until CheckpointManager.wait() returned (rename, train_state.json, COMMITTED marker),
-             called here at the first step boundary after every rank's write finished (Trainer.fit() itself
-             calls it only at its next save or at the end)
-  staging    async only: DCP's copy of the state (dcp.async_save's default stager), part of the stall
-  overlap    async only: the steps that ran while the write went on; their median step time against the round's
-             baseline (inflation), and the extra seconds they took in all (sum - count x baseline)
-Times are the slowest rank's. Target: asynchronous stall <= 10% of the synchronous save, median over rounds of
-each round's ratio. Every checkpoint is checked committed (COMMITTED marker, step as saved). Checkpoints go to a
-directory under /tmp that is removed at the end. Writes benchmarks/results/async_stall-<n>ranks.json; the driver
-also benchmarks/results/async_stall.json.
+  committed  async only: until wait() returned
+  staging    async only: DCP's copy of the state into the manager's stager, part of the stall
+Headline (benchmarks/README.md's rule), per world size: async cost / sync cost, one paired ratio per round, the
+median with its order-statistic interval. Target, fixed before the run: <= 1.0 (an async save costs the loop no
+more than a sync one). The call's stall alone (async stall / sync stall, the old headline, whose README target was
+<= 0.10) is kept as raw data: it leaves out the slowdown of the steps that overlap the write. Every checkpoint is
+checked committed (COMMITTED marker, step as saved). Checkpoints go to a directory under /tmp that is removed at
+the end. Writes benchmarks/results/async_stall-<n>ranks.json (raw); the driver also
+benchmarks/results/async_stall.json (the verdicts and every world's raw data).
 """
 from __future__ import annotations
 
@@ -33,11 +38,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _verdict import balanced
+from _verdict import verdict as rule_verdict
+
 from _launch import run_worlds, write_results
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-TARGET = 0.10
+TARGET = 1.0  # async cost / sync cost <= 1.0, better lower: fixed before the first run of this headline
 # 50.2M parameters (vocab 8192, dim 640, ffn 1728, 8 layers); a step of 1 x 64 tokens is ~0.2-0.4 s here
 CASE = ["model.vocab_size=8192", "model.dim=640", "model.n_layers=8", "model.n_heads=10", "model.max_seq_len=64",
         "data.source=synthetic", "data.seq_len=64", "train.micro_batch_size=1", "train.steps=100000",
@@ -68,37 +76,50 @@ def timed_step(tr, clock: Clock) -> float:
     return clock.max(time.perf_counter() - t0)
 
 
-def one_save(tr, mgr, clock: Clock, asynchronous: bool, base_steps: int, inner: dict) -> dict:
-    """Baseline steps, then one save; for an async save, steps until the write is done, then wait()."""
+def one_save(tr, mgr, clock: Clock, asynchronous: bool, base_steps: int, after_steps: int, inner: dict) -> dict:
+    """Baseline steps, one save, then the steps after it (at least after_steps; an async save's until its write is
+    done everywhere) with wait() at the first step boundary where nothing is left to write. Both modes alike."""
     base = [timed_step(tr, clock) for _ in range(base_steps)]
     step = tr.step
     for v in inner.values():
         v.clear()
+    done_at: list[float] = []
     t0 = time.perf_counter()
     tr.save(mgr, asynchronous=asynchronous)
     stall = time.perf_counter() - t0
-    row = {"mode": "async" if asynchronous else "sync", "step": step, "baseline_steps_s": base,
-           "stall_s": clock.max(stall), "mgr_save_s": clock.max(sum(inner["mgr_save"])),
-           "staging_s": clock.max(sum(inner["staging"]))}
-    if asynchronous:
-        done_at: list[float] = []
-        fut = mgr.pending[1]
+    fut = mgr.pending[1] if asynchronous else None
+    if fut is not None:
         fut.add_done_callback(lambda _: done_at.append(time.perf_counter()))
-        overlap = []
-        while not clock.all(fut.done()):  # every rank takes the same number of steps
-            overlap.append(timed_step(tr, clock))
-            if len(overlap) > 500:
-                raise RuntimeError("background save did not finish in 500 steps")
-        while not done_at:  # the callback runs just after done() turns true
-            time.sleep(0.001)
-        t_wait = time.perf_counter()
-        mgr.wait()
-        t_end = time.perf_counter()
-        b = statistics.median(base)
-        row.update(written_s=clock.max(done_at[0] - t0), committed_s=clock.max(t_end - t0),
-                   wait_s=clock.max(t_end - t_wait), overlap_steps_s=overlap,
-                   overlap_inflation=statistics.median(overlap) / b if overlap else None,
-                   overlap_extra_s=sum(overlap) - len(overlap) * b)
+    after: list[float] = []
+    overlap = 0
+    wait_s = None
+    while wait_s is None or len(after) < after_steps:
+        if wait_s is None and clock.all(fut is None or fut.done()):  # every rank takes the same steps
+            if fut is not None:
+                while not done_at:  # the callback runs just after done() turns true
+                    time.sleep(0.001)
+            overlap = len(after)
+            t_wait = time.perf_counter()
+            mgr.wait()
+            t_end = time.perf_counter()
+            wait_s = clock.max(t_end - t_wait)
+            committed_s = clock.max(t_end - t0)
+            continue
+        after.append(timed_step(tr, clock))
+        if len(after) > 500:
+            raise RuntimeError("background save did not finish in 500 steps")
+    b = statistics.median(base)
+    extra = sum(after) - len(after) * b
+    row = {"mode": "async" if asynchronous else "sync", "step": step, "baseline_steps_s": base,
+           "baseline_step_s": b, "stall_s": clock.max(stall), "mgr_save_s": clock.max(sum(inner["mgr_save"])),
+           "staging_s": clock.max(sum(inner["staging"])), "wait_s": wait_s, "after_steps_s": after,
+           "after_extra_s": extra, "overlap_steps": overlap}
+    row["cost_s"] = row["stall_s"] + wait_s + extra
+    if asynchronous:
+        ov = after[:overlap]
+        row.update(written_s=clock.max(done_at[0] - t0), committed_s=committed_s, overlap_steps_s=ov,
+                   overlap_inflation=statistics.median(ov) / b if ov else None,
+                   overlap_extra_s=sum(ov) - len(ov) * b)
     done = mgr.root / f"step_{step:08d}" / "COMMITTED"
     row["committed_ok"] = clock.all(mgr.rank != 0 or (done.is_file() and json.loads(done.read_text())["step"] == step))
     return row
@@ -163,18 +184,19 @@ def worker(args) -> None:
             for _ in range(2):
                 tr.train_step()
             for asynchronous in (False, True):  # first-call costs (imports, planner caches), untimed
-                one_save(tr, mgr, clock, asynchronous, 1, inner)
+                one_save(tr, mgr, clock, asynchronous, 1, 1, inner)
             rows = []
             for r in range(args.rounds):
-                for asynchronous in ((False, True) if r % 2 == 0 else (True, False)):
-                    row = one_save(tr, mgr, clock, asynchronous, args.base_steps, inner)
+                for asynchronous in balanced(r, (False, True)):
+                    row = one_save(tr, mgr, clock, asynchronous, args.base_steps, args.after_steps, inner)
                     row["round"] = r
                     rows.append(row)
                     if rank == 0:
-                        print(f"  round {r} {row['mode']:<5}: stall {row['stall_s']:.3f} s" + (
-                            f", written {row['written_s']:.2f} s, committed {row['committed_s']:.2f} s, "
-                            f"{len(row['overlap_steps_s'])} steps overlapped"
-                            if asynchronous else ""), flush=True)
+                        print(f"  round {r} {row['mode']:<5}: cost {row['cost_s']:.3f} s = stall {row['stall_s']:.3f}"
+                              f" + wait {row['wait_s']:.3f} + {len(row['after_steps_s'])} steps' extra "
+                              f"{row['after_extra_s']:+.3f} (baseline step {row['baseline_step_s']:.3f} s)" + (
+                                  f"; written {row['written_s']:.2f} s, committed {row['committed_s']:.2f} s, "
+                                  f"{row['overlap_steps']} steps overlapped" if asynchronous else ""), flush=True)
             mgr.wait()
             what_if = staging_costs(tr, clock)
         finally:
@@ -195,78 +217,88 @@ def summarise(rows: list[dict], n: int, num_params: int, state_gb: float, zero: 
     sync = {r["round"]: r for r in rows if r["mode"] == "sync"}
     asy = {r["round"]: r for r in rows if r["mode"] == "async"}
     rounds = sorted(set(sync) & set(asy))
-    ratio = [asy[k]["stall_s"] / sync[k]["stall_s"] for k in rounds]
+    cost_ratios = [asy[k]["cost_s"] / sync[k]["cost_s"] for k in rounds]  # the headline, per round
+    stall_ratios = [asy[k]["stall_s"] / sync[k]["stall_s"] for k in rounds]  # the call alone: raw data
     base = [b for r in rows for b in r["baseline_steps_s"]]
     overlap = [s for r in asy.values() for s in r["overlap_steps_s"]]
     summary = {
+        "sync_cost_s": med(r["cost_s"] for r in sync.values()),
         "sync_stall_s": med(r["stall_s"] for r in sync.values()),
         "sync_mgr_save_s": med(r["mgr_save_s"] for r in sync.values()),
+        "sync_after_extra_s": med(r["after_extra_s"] for r in sync.values()),
+        "async_cost_s": med(r["cost_s"] for r in asy.values()),
         "async_stall_s": med(r["stall_s"] for r in asy.values()),
         "async_mgr_save_s": med(r["mgr_save_s"] for r in asy.values()),
         "async_staging_s": med(r["staging_s"] for r in asy.values()),
         "async_written_s": med(r["written_s"] for r in asy.values()),
         "async_committed_s": med(r["committed_s"] for r in asy.values()),
         "async_wait_s": med(r["wait_s"] for r in asy.values()),
-        "overlap_steps_per_save": med(len(r["overlap_steps_s"]) for r in asy.values()),
+        "async_after_extra_s": med(r["after_extra_s"] for r in asy.values()),
+        "overlap_steps_per_save": med(r["overlap_steps"] for r in asy.values()),
         "baseline_step_s": med(base), "overlap_step_s": med(overlap) if overlap else None,
-        "overlap_inflation": med(r["overlap_inflation"] for r in asy.values() if r["overlap_inflation"]),
+        "overlap_inflation": med(r["overlap_inflation"] for r in asy.values() if r["overlap_inflation"])
+        if overlap else None,
         "overlap_extra_s": med(r["overlap_extra_s"] for r in asy.values()),
-        "stall_ratio": med(ratio), "stall_ratios": ratio,
+        "cost_ratio_median": med(cost_ratios), "cost_ratios": cost_ratios,
+        "stall_ratio_median": med(stall_ratios), "stall_ratios": stall_ratios,
     }
-    summary["async_cost_s"] = summary["async_stall_s"] + summary["overlap_extra_s"]
     summary["sync_write_gbs"] = state_gb / summary["sync_stall_s"]
-    verdict = "MET" if summary["stall_ratio"] <= TARGET else "NOT MET"
     return {"nranks": n, "num_params": num_params, "state_gb": state_gb, "zero_stage": zero if n > 1 else None,
             "threads_per_rank": threads, "rounds": len(rounds), "summary": summary, "target": TARGET,
-            "verdict": verdict, "all_committed": all(r["committed_ok"] for r in rows), "rows": rows,
+            "all_committed": all(r["committed_ok"] for r in rows), "rows": rows,
             "torch": torch.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def report(doc: dict) -> None:
     s = doc["summary"]
-    print(f"# checkpoint stall, {doc['nranks']} rank(s), {doc['num_params'] / 1e6:.1f}M params, "
+    print(f"# checkpoint cost to the loop, {doc['nranks']} rank(s), {doc['num_params'] / 1e6:.1f}M params, "
           f"{doc['state_gb']:.2f} GB state, {doc['rounds']} rounds (sync and async alternate first); medians, "
           f"slowest rank")
-    print(f"  sync  save: stall {s['sync_stall_s']:.3f} s (CheckpointManager.save {s['sync_mgr_save_s']:.3f} s), "
-          f"{s['sync_write_gbs']:.2f} GB/s end to end")
-    print(f"  async save: stall {s['async_stall_s']:.3f} s (CheckpointManager.save {s['async_mgr_save_s']:.3f} s); "
-          f"written after {s['async_written_s']:.2f} s, committed after {s['async_committed_s']:.2f} s "
-          f"(wait() {s['async_wait_s']:.3f} s)")
+    print(f"  sync  save: cost {s['sync_cost_s']:.3f} s: stall {s['sync_stall_s']:.3f} s (CheckpointManager.save "
+          f"{s['sync_mgr_save_s']:.3f} s, {s['sync_write_gbs']:.2f} GB/s end to end), steps after it "
+          f"{s['sync_after_extra_s']:+.3f} s")
+    print(f"  async save: cost {s['async_cost_s']:.3f} s: stall {s['async_stall_s']:.3f} s (CheckpointManager.save "
+          f"{s['async_mgr_save_s']:.3f} s), wait() {s['async_wait_s']:.3f} s, steps after it "
+          f"{s['async_after_extra_s']:+.3f} s; written after {s['async_written_s']:.2f} s, committed after "
+          f"{s['async_committed_s']:.2f} s")
     print(f"  steps overlapping the write: {s['overlap_steps_per_save']:.0f} per save, "
           f"{s['overlap_step_s'] or 0:.3f} s vs baseline {s['baseline_step_s']:.3f} s "
-          f"(inflation x{s['overlap_inflation']:.2f}, +{s['overlap_extra_s']:.2f} s per save); async stall + that "
-          f"extra = {s['async_cost_s']:.2f} s vs sync {s['sync_stall_s']:.2f} s")
-    print(f"# {doc['nranks']} rank(s): async stall / sync stall = {s['stall_ratio']:.3f} (per round: "
-          f"{', '.join(f'{x:.3f}' for x in s['stall_ratios'])}; target <= {TARGET}: {doc['verdict']}); "
-          f"every save committed: {doc['all_committed']}")
+          f"(inflation x{s['overlap_inflation'] or 0:.2f}, {s['overlap_extra_s']:+.2f} s per save)")
+    print(f"# {doc['nranks']} rank(s): per round async cost / sync cost: "
+          f"{', '.join(f'{x:.3f}' for x in s['cost_ratios'])}; the stall alone (raw data): "
+          f"{', '.join(f'{x:.3f}' for x in s['stall_ratios'])}; every save committed: {doc['all_committed']}")
     st = doc["staging_what_if"]
     print(f"# async stall = {s['async_stall_s']:.3f} s: Trainer.save around the manager "
           f"{s['async_stall_s'] - s['async_mgr_save_s']:.3f} s, CheckpointManager.save before DCP's staging "
-          f"{s['async_mgr_save_s'] - s['async_staging_s']:.3f} s, DCP's staging copy into new memory "
-          f"{s['async_staging_s']:.3f} s; the same copy into a stager's buffers kept from a previous save "
-          f"{st['kept_stager_copy_s']:.3f} s (first copy {st['first_copy_s']:.3f} s)")
+          f"{s['async_mgr_save_s'] - s['async_staging_s']:.3f} s, DCP's staging copy {s['async_staging_s']:.3f} s; "
+          f"a fresh DefaultStager's first copy {st['first_copy_s']:.3f} s, into its kept buffers "
+          f"{st['kept_stager_copy_s']:.3f} s")
 
 
 def driver(args, argv: list[str]) -> None:
     worlds = run_worlds(__file__, "async_stall", args.ranks, argv)
+    verdicts = []
     for n, w in worlds.items():
         s = w["summary"]
-        print(f"  n={n}: sync stall {s['sync_stall_s']:.3f} s, async stall {s['async_stall_s']:.3f} s "
-              f"(ratio {s['stall_ratio']:.3f}), committed after {s['async_committed_s']:.2f} s, overlap inflation "
-              f"x{s['overlap_inflation']:.2f} (+{s['overlap_extra_s']:.2f} s)")
-    misses = [f"n={n} {w['summary']['stall_ratio']:.3f}" for n, w in worlds.items() if w["verdict"] != "MET"]
-    verdict = "MET" if not misses else "NOT MET"
-    print(f"# async stall <= {TARGET} x sync save at every world size: {verdict}"
-          + (f"; missed: {'; '.join(misses)}" if misses else ""))
-    write_results("async_stall.json", {"verdict": verdict, "missed": misses, "target": TARGET,
+        print(f"  n={n}: sync cost {s['sync_cost_s']:.3f} s, async cost {s['async_cost_s']:.3f} s (stall "
+              f"{s['async_stall_s']:.3f} s, stall ratio {s['stall_ratio_median']:.3f}), committed after "
+              f"{s['async_committed_s']:.2f} s")
+        verdicts.append(rule_verdict(
+            "async_stall", f"async save's cost to the loop / sync save's, {n} rank{'s' if n > 1 else ''}",
+            s["cost_ratios"], TARGET, better="lower",
+            note=f"cost = the save call's stall + wait() + extra time of the {args.after_steps}+ steps after it vs "
+                 f"the steps before it; {w['state_gb']:.2f} GB state, zero {w['zero_stage'] if n > 1 else '-'}"))
+    write_results("async_stall.json", {"verdicts": verdicts, "target": TARGET,
                                        "worlds": {str(k): w for k, w in worlds.items()}})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="1,2", help="driver: world sizes to launch")
-    ap.add_argument("--rounds", type=int, default=3, help="~25 s each here on one rank, ~30 s on two")
+    ap.add_argument("--rounds", type=int, default=6, help="~25 s each here on one rank, ~30 s on two")
     ap.add_argument("--base-steps", type=int, default=3, help="plain steps before each save (its baseline)")
+    ap.add_argument("--after-steps", type=int, default=4, help="steps after each save, at least (async: and until "
+                                                               "its write is done)")
     ap.add_argument("--zero", type=int, default=3, help="ZeRO stage on more than one rank (3: sharded state)")
     ap.add_argument("--tmp", default="/tmp", help="where checkpoints go (a directory made and removed here)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
