@@ -1,6 +1,6 @@
 """Pipeline bubble and activation memory of hpctrain's schedules, p = 2 stages ranks, against the theory.
 
-    python benchmarks/pipeline_bubble.py [--steps 12] [--ms 2,4,8]   # driver: launches itself under mpiexec -n 2
+    python benchmarks/pipeline_bubble.py [--steps 10] [--ms 2,4,8]   # driver: launches itself under mpiexec -n 2
     mpiexec -n 2 python benchmarks/pipeline_bubble.py --worker        # the same, one launch
 
 One session; for each schedule (GPipe, 1F1B, interleaved 1F1B with v = 2 virtual stages per rank) and each
@@ -175,7 +175,7 @@ def report(rows: list[dict], ms: list[int], args, elapsed: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true", help="run as one rank (under mpiexec -n 2)")
-    ap.add_argument("--steps", type=int, default=12, help="timed steps (rounds) per row")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (rounds) per row")
     ap.add_argument("--ms", default="2,4,8", help="micro-batch counts (p, 2p, 4p)")
     args = ap.parse_args()
     if args.worker:
