@@ -1,11 +1,9 @@
 """What the benchmarks share: the mpiexec to launch with, a driver that runs one script per world size and
-collects each world's results/<name>-<n>ranks.json, the results writer, and the geometric mean of paired ratios."""
+collects each world's results/<name>-<n>ranks.json, and the results writer."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -41,11 +39,3 @@ def write_results(name: str, doc: dict) -> Path:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"# wrote {out}", flush=True)
     return out
-
-
-def geometric_ci(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of ratios and its 95% confidence interval (normal approximation on the logs)."""
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("inf")
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)

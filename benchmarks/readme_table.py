@@ -22,15 +22,26 @@ ORDER = ["collectives", "train_overhead", "zero_memory", "activation_checkpointi
          "async_stall", "pipeline_bubble", "loader_prefetch", "init_scale"]
 
 
+def earlier(doc: dict) -> dict[str, dict]:
+    """The verdict records of a run that was repeated (kept under "earlier_run", with the reason), by metric: the
+    table shows them beside the run that replaced them, so a re-run can never quietly hide a miss."""
+    old = doc.get("earlier_run") or {}
+    recs = list(old.get("verdicts", [])) + [v for v in old.values() if isinstance(v, dict) and "metric" in v]
+    return {r["metric"]: r for r in recs}
+
+
 def load(results: Path = RESULTS) -> list[dict]:
-    """Every verdict record of every results file, in table order."""
+    """Every verdict record of every results file, in table order, each with the earlier run's record if any."""
     files = sorted(results.glob("*.json"), key=lambda f: (ORDER.index(f.stem) if f.stem in ORDER else len(ORDER),
                                                            f.stem))
     rows = []
     for f in files:
         doc = json.loads(f.read_text())
-        for rec in doc.get("verdicts", []) if isinstance(doc, dict) else []:
-            rows.append({**rec, "file": f.name})
+        if not isinstance(doc, dict):
+            continue
+        first = earlier(doc)
+        for rec in doc.get("verdicts", []):
+            rows.append({**rec, "file": f.name, "earlier": first.get(rec["metric"])})
     return rows
 
 
@@ -51,12 +62,17 @@ def render(rows: list[dict]) -> str:
         lo, hi = r["ci95"]
         what = r["metric"] + (f"; {r['note']}" if r.get("note") else "")
         status = r["status"] if r["met"] else f"**{r['status']}**"
+        if r.get("earlier"):
+            e = r["earlier"]
+            status += f"; re-run, the first run: {_num(e['median'])} {e['status']}"
         interval = "-" if r["rounds"] == 1 else f"{_num(lo)} to {_num(hi)}"
         lines.append(f"| `{r['file']}` | {what} | {_num(r['median'])} | {interval} | {r['rounds']} | "
                      f"{target_text(r)} | {status} |")
     missed = sum(not r["met"] for r in rows)
     lines.append("")
-    lines.append(f"{len(rows)} verdicts, {missed} NOT MET. Every row: the median of paired per-round values, all "
+    reruns = sum(bool(r.get("earlier")) for r in rows)
+    lines.append(f"{len(rows)} verdicts, {missed} NOT MET, {reruns} from a repeated run (the first run's verdict "
+                 "shown beside it, its reason in the JSON). Every row: the median of paired per-round values, all "
                  "rounds counted, its distribution-free 95% interval (one-round rows are deterministic counts); "
                  "the rule is in `benchmarks/README.md`, the raw rounds in the JSON file named.")
     return "\n".join(lines)
