@@ -18,6 +18,7 @@ import functools
 import sys
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 
@@ -99,12 +100,26 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -
     _submit(cfg, wait)
 
 
-def _submit(cfg: Config, wait: bool, argv=None) -> Path:
+class CliTask:
+    """The callable each task runs (pickled by submitit): one `hpctrain` command line, in process."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def __call__(self) -> Any:
+        return main(self.argv, standalone_mode=False)
+
+
+def train_argv(config_path: Path, run_dir: Path) -> list[str]:
+    return ["train", str(config_path), "--run-dir", str(run_dir)]
+
+
+def _submit(cfg: Config, wait: bool, argv: Callable[[Path, Path], list[str]] = train_argv) -> Path:
     """Submits (train by default, or the given command line) and optionally follows the job."""
     from hpctrain import launch
 
     try:
-        run_dir, job, kind = launch.submit(cfg, echo=click.echo, **({"argv": argv} if argv else {}))
+        run_dir, job, kind = launch.submit(cfg, lambda cfg_path, rdir: CliTask(argv(cfg_path, rdir)), echo=click.echo)
     except launch.SubmitError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"submitted job {job.job_id} ({kind}); run directory {run_dir}")
@@ -237,9 +252,9 @@ def ckpt_ls(path: str) -> None:
     """List a run's checkpoints, newest last.
 
     PATH is a run directory or its checkpoints directory."""
-    from hpctrain.checkpoint import inspect
+    from hpctrain.checkpoint import inspection
 
-    click.echo(inspect.format_listing(*inspect.list_checkpoints(Path(path))))
+    click.echo(inspection.format_listing(*inspection.list_checkpoints(Path(path))))
 
 
 @ckpt_group.command(name="inspect")
@@ -253,13 +268,13 @@ def ckpt_inspect(ckpt: str, as_json: bool) -> None:
     newest committed checkpoint."""
     import json
 
-    from hpctrain.checkpoint import inspect
+    from hpctrain.checkpoint import inspection
 
     try:
-        info = inspect.describe(inspect.resolve(Path(ckpt)))
-    except inspect.CheckpointCorrupt as e:
+        info = inspection.describe(inspection.resolve(Path(ckpt)))
+    except inspection.CheckpointCorrupt as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(info, indent=1) if as_json else inspect.format_description(info))
+    click.echo(json.dumps(info, indent=1) if as_json else inspection.format_description(info))
 
 
 @ckpt_group.command(name="verify")
@@ -272,11 +287,11 @@ def ckpt_verify(ckpt: str, mode: str) -> None:
 
     The COMMITTED marker, file sizes and every dataset's size and crc32 against index.json; prints each problem
     and exits 1 if there is any."""
-    from hpctrain.checkpoint import inspect
+    from hpctrain.checkpoint import inspection
 
-    path = inspect.resolve(Path(ckpt))
-    verdict = inspect.verify(path, mode)
-    click.echo(inspect.format_verdict(path, verdict))
+    path = inspection.resolve(Path(ckpt))
+    verdict = inspection.verify(path, mode)
+    click.echo(inspection.format_verdict(path, verdict))
     if verdict.problems:
         raise click.exceptions.Exit(1)
 
@@ -292,15 +307,15 @@ def ckpt_export(ckpt: str, fmt: str, out: str | None) -> None:
 
     The model tensors of CKPT, assembled from their shards in whatever layout saved them, without the "model."
     prefix, in their saved dtypes."""
-    from hpctrain.checkpoint import inspect
+    from hpctrain.checkpoint import inspection
 
-    path = inspect.resolve(Path(ckpt))
+    path = inspection.resolve(Path(ckpt))
     try:
-        done = inspect.export_safetensors(path, Path(out or f"{path.name}.{fmt}"))
-    except inspect.CheckpointCorrupt as e:
+        done = inspection.export_safetensors(path, Path(out or f"{path.name}.{fmt}"))
+    except inspection.CheckpointCorrupt as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{done['path']}: {done['num_tensors']} tensors, {done['params'] / 1e6:.2f}M parameters, "
-               f"{inspect.human_bytes(done['bytes'])} from {path}")
+               f"{inspection.human_bytes(done['bytes'])} from {path}")
 
 
 @main.group(name="data")

@@ -1,6 +1,6 @@
 """Submission through submitit: the Slurm executor when Slurm answers, else submitit's local executor.
 
-    run_dir, job, kind = submit(cfg)       # validated config in, a fresh run directory out
+    run_dir, job, kind = submit(cfg, task) # validated config in, a fresh run directory out
     wait(job, run_dir, kind, cfg)          # follows the job, never hangs on one that died
 
 `slurm_parameters(cfg)` is the one mapping from [job] to sbatch options; `render_sbatch` shows the script for
@@ -27,17 +27,6 @@ class SubmitError(RuntimeError):
     """Slurm refused the job or it failed; the message says why."""
 
 
-class CliTask:
-    """The callable each task runs (pickled by submitit): one `hpctrain` command line, in process."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.argv = argv
-
-    def __call__(self) -> Any:
-        from hpctrain import cli
-        return cli.main(self.argv, standalone_mode=False)
-
-
 def leave_task_error(trace: str) -> None:
     """Inside a submitit task: its error result, as submitit writes it when a task raises. A rank that ends its
     launch with MPI_Abort never returns to submitit, and `wait` would otherwise wait for a result that never comes."""
@@ -48,10 +37,6 @@ def leave_task_error(trace: str) -> None:
 
     with utils.temporary_save_path(submitit.JobEnvironment().paths.result_pickle) as tmp:
         utils.cloudpickle_dump(("error", trace), tmp)
-
-
-def train_argv(config_path: Path, run_dir: Path) -> list[str]:
-    return ["train", str(config_path), "--run-dir", str(run_dir)]
 
 
 def _run(cmd: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
@@ -252,8 +237,9 @@ def make_executor(kind: str, cfg: Config, folder: Path):
     return ex
 
 
-def submit(cfg: Config, echo=print, argv: Callable[[Path, Path], list[str]] = train_argv) -> tuple[Path, Any, str]:
-    """Validates, makes a fresh run directory, submits. On failure nothing is left behind."""
+def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=print) -> tuple[Path, Any, str]:
+    """Validates, makes a fresh run directory, submits. On failure nothing is left behind. task(config_path,
+    run_dir) is the picklable callable every task of the job runs (hpctrain.cli.CliTask: one command line)."""
     check_layout(cfg, echo)
     kind, why = choose_executor(cfg)
     if kind == "slurm":
@@ -269,7 +255,7 @@ def submit(cfg: Config, echo=print, argv: Callable[[Path, Path], list[str]] = tr
         config_path = run_dir / "config.toml"
         config_path.write_text(dump_toml(cfg))
         executor = make_executor(kind, cfg, run_dir / "submitit")
-        job = executor.submit(CliTask(argv(config_path, run_dir)))
+        job = executor.submit(task(config_path, run_dir))
     except Exception as e:
         shutil.rmtree(run_dir, ignore_errors=True)
         msg = str(e).strip()

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hpctrain.bench.gemm import measure_gemm
+
 # Dense tensor-core peaks per device in TFLOP/s (no structured sparsity), per dtype of the matmul inputs; "fp32" is
 # the plain FP32 rate (no TF32), which fp32 matmuls run at when TF32 is off. Where a datasheet gives only figures
 # "with sparsity" they are halved here; a dtype a part lacks is left out (MFU then falls back, labelled).
@@ -106,7 +108,6 @@ def gemm_probe(device: torch.device, dtype: torch.dtype, min_time_s: float = 0.2
     """The measured matmul rate at probe_size, reported beside MFU. Run before the first step: its buffers (three
     n x n matrices, 0.8 GB in fp32 at 8192) are given back to the device, and the peak-memory reset comes after it.
     A GPU too full for them is probed at half the size, down to 1024, rather than ending the job."""
-    from hpctrain.bench.gemm import measure_gemm
     n = probe_size(device.type, dtype)
     while True:
         try:

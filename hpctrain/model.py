@@ -195,6 +195,14 @@ class Transformer(nn.Module):
         return self.output(x) if self.output is not None else x
 
 
+def clean_name(name: str) -> str:
+    """A parameter's name in this plain model: drops the prefixes that wrappers add (activation checkpointing,
+    torch.compile, DDP), so the seeded init and the checkpoint keys see the same names in every layout."""
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(junk, "")
+    return name.removeprefix("module.")
+
+
 INIT_TILE = (16, 1024)  # (rows, columns) of the 2-D view that one generator fills: 64 KiB of fp32
 
 

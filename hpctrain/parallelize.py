@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hpctrain import pipeline
 from hpctrain.config import Config
-from hpctrain.model import ModelDims, Transformer, init_slice
+from hpctrain.model import ModelDims, Transformer, clean_name, init_slice
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,13 +50,6 @@ class ParallelModel:
     def loaded(self) -> None:
         """A checkpoint has written every parameter: the seeded init is not needed."""
         self.unfilled = None
-
-
-def clean_name(name: str) -> str:
-    """Drops prefixes that wrappers add (checkpointing, torch.compile, DDP) so names match the plain model."""
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(junk, "")
-    return name.removeprefix("module.")
 
 
 def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def worker(out: str, cases_json: str, base_port: int) -> None:
                 pm = parallelize.build(cfg, s.mesh, s.device)
                 pieces = {}
                 for name, p in pm.model.named_parameters():
-                    name = parallelize.clean_name(name)
+                    name = model.clean_name(name)
                     offset, local_shape = parallelize.shard_box(p)
                     local = p.to_local() if isinstance(p, DTensor) else p
                     pieces[name] = {"shape": tuple(p.shape), "offset": offset, "local": local.detach().clone(),

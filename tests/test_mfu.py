@@ -84,7 +84,6 @@ def test_matmul_dtype_and_probe_size() -> None:
 
 
 def test_probe_halves_its_size_on_a_full_gpu(monkeypatch) -> None:
-    from hpctrain.bench import gemm
     sizes = []
 
     def measure(dtype, n, device, **kw):
@@ -92,7 +91,7 @@ def test_probe_halves_its_size_on_a_full_gpu(monkeypatch) -> None:
         if n > 2048:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return {"tflops": 500.0}
-    monkeypatch.setattr(gemm, "measure_gemm", measure)
+    monkeypatch.setattr(metrics, "measure_gemm", measure)
     assert metrics.gemm_probe(torch.device("cuda", 0), torch.bfloat16) == {"tflops": 500.0, "n": 2048,
                                                                            "dtype": "bfloat16"}
     assert sizes == [8192, 4096, 2048]

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from hpctrain.model import clean_name
+
 
 class ModelState(Stateful):
     def __init__(self, model: torch.nn.Module) -> None:
@@ -58,7 +60,6 @@ class ZeroOneOptimizerState(Stateful):
     "param_groups.<fqn>.<key>"), so a checkpoint moves between ZeRO-1 and every other layout."""
 
     def __init__(self, model: torch.nn.Module, zero) -> None:
-        from hpctrain.parallelize import clean_name
         self.zero = zero
         self.names = {p: clean_name(n) for n, p in model.named_parameters()}
 
