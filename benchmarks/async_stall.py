@@ -79,6 +79,7 @@ def timed_step(tr, clock: Clock) -> float:
 def one_save(tr, mgr, clock: Clock, asynchronous: bool, base_steps: int, after_steps: int, inner: dict) -> dict:
     """Baseline steps, one save, then the steps after it (at least after_steps; an async save's until its write is
     done everywhere) with wait() at the first step boundary where nothing is left to write. Both modes alike."""
+    from hpctrain.checkpoint.layout import MARKER, step_name
     base = [timed_step(tr, clock) for _ in range(base_steps)]
     step = tr.step
     for v in inner.values():
@@ -120,7 +121,7 @@ def one_save(tr, mgr, clock: Clock, asynchronous: bool, base_steps: int, after_s
         row.update(written_s=clock.max(done_at[0] - t0), committed_s=committed_s, overlap_steps_s=ov,
                    overlap_inflation=statistics.median(ov) / b if ov else None,
                    overlap_extra_s=sum(ov) - len(ov) * b)
-    done = mgr.root / f"step_{step:08d}" / "COMMITTED"
+    done = mgr.root / step_name(step) / MARKER
     row["committed_ok"] = clock.all(mgr.rank != 0 or (done.is_file() and json.loads(done.read_text())["step"] == step))
     return row
 

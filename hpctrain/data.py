@@ -15,7 +15,6 @@ Reading token files (ArraySource, HDF5Source, their checks and id-scan cache) li
 from __future__ import annotations
 
 import json
-import os
 import queue
 import sys
 import threading
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from hpctrain.config import DataConfig
+from hpctrain.fsutil import replacing, write_atomic
 from hpctrain.tokenfiles import ArraySource, HDF5Source, TokenSource
 
 # --- tokenizer --------------------------------------------------------------------------------------------
@@ -98,22 +98,21 @@ def _read_text(path: Path) -> bytes | None:
 
 def _write_tokens(tokens: np.ndarray, out: Path) -> None:
     """Writes to a temporary name first so a reader never sees half a file."""
-    tmp = out.with_name(out.name + ".tmp")
     meta = {"dtype": "uint16", "byteorder": "little", "num_tokens": int(tokens.size),
             "vocab_size": VOCAB_SIZE, "tokenizer": "bytes"}
-    if out.suffix == ".bin":
-        tmp.write_bytes(tokens.astype("<u2").tobytes())
-    elif out.suffix == ".npy":
-        with open(tmp, "wb") as f:  # np.save on a path would append ".npy" to the temporary name
-            np.save(f, tokens.astype("<u2"))
-    else:
-        with h5py.File(tmp, "w") as f:
-            dset = f.create_dataset("tokens", data=tokens.astype("<u2"), chunks=(min(tokens.size, 1 << 16),))
-            for key in ("vocab_size", "tokenizer", "num_tokens"):
-                dset.attrs[key] = meta[key]
     if out.suffix in (".bin", ".npy"):  # HDF5 keeps the same record in attributes
-        Path(str(out) + ".json").write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, out)
+        write_atomic(Path(str(out) + ".json"), json.dumps(meta, indent=1) + "\n")
+    with replacing(out) as tmp:
+        if out.suffix == ".bin":
+            tmp.write_bytes(tokens.astype("<u2").tobytes())
+        elif out.suffix == ".npy":
+            with open(tmp, "wb") as f:  # np.save on a path would append ".npy" to the temporary name
+                np.save(f, tokens.astype("<u2"))
+        else:
+            with h5py.File(tmp, "w") as f:
+                dset = f.create_dataset("tokens", data=tokens.astype("<u2"), chunks=(min(tokens.size, 1 << 16),))
+                for key in ("vocab_size", "tokenizer", "num_tokens"):
+                    dset.attrs[key] = meta[key]
 
 
 def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:

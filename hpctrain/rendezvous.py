@@ -5,17 +5,19 @@ torch.distributed on top of it.
     device = init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rendezvous_dir,
                               interface=p.interface, connect_timeout_s=p.connect_timeout_s)   # p: cfg.parallel
 
-Under MPI the ranks agree on node identity by gathering node names (`SLURMD_NODENAME` when Slurm runs several
-slurmd on one host, else the host name), and rank 0 broadcasts a TCPStore address it has bound. Launchers without
-MPI hand out identity in environment variables (tables below); rank 0 then publishes the store address in a file
-under the shared run directory. torchrun brings its own MASTER_ADDR/MASTER_PORT.
+Under MPI the ranks first check that MPI's world is the one the launcher started (check_mpi_world), agree on node
+identity by gathering node names (`SLURMD_NODENAME` when Slurm runs several slurmd on one host, else the host
+name), and rank 0 broadcasts a TCPStore address it has bound. Launchers without MPI hand out identity in
+environment variables (tables below); rank 0 then publishes the store address in a file in rendezvous_dir, a
+directory every rank sees (session.start passes the run directory when it is given, else
+<job.run_root>/.rendezvous). torchrun brings its own MASTER_ADDR/MASTER_PORT; a single process needs no store.
 
 Where the store listens, the refusal of a loopback address across hosts and the interface handed to NCCL and
 gloo: hpctrain/netaddr.py. Ranks give up dialling the store after parallel.connect_timeout_s, naming address and
 port, instead of waiting the collective timeout.
 
 What the rendezvous exposes. Rank 0's TCPStore listens on that one address; the port is one the OS picks. The
-address reaches the other ranks over MPI, or through a file in the run directory created with mode 0600 and
+address reaches the other ranks over MPI, or through that file, created with mode 0600 (fsutil.write_atomic) and
 removed as soon as every rank has connected. Every key of the job lives under a random per-job secret
 (PrefixStore, 128 bits, shared over MPI or inside that file), so a process that connects without it finds none
 of the job's keys by their names, and a stale rank of another job or attempt cannot write into this one.
@@ -55,6 +57,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hpctrain.fsutil import write_atomic
 from hpctrain.netaddr import FIX, check_reachable, feed_socket_ifname, store_address
 
 log = logging.getLogger(__name__)
@@ -70,7 +73,7 @@ LAUNCHER_MARKERS = {
     "slurm": [("SLURM_PROCID",)],
 }
 
-# Identity fields -> environment variable, per launcher (like submitit's JobEnvironment._env).
+# Identity fields -> environment variable, per launcher: a launcher is a row of data, not a branch of code.
 ENV_TABLES = {
     "slurm": {"rank": "SLURM_PROCID", "world_size": "SLURM_NTASKS", "local_rank": "SLURM_LOCALID",
               "node_index": "SLURM_NODEID", "num_nodes": "SLURM_NNODES", "job_id": "SLURM_JOB_ID"},
@@ -284,13 +287,9 @@ def _rendezvous_file(ident: Identity, directory: Path) -> Path:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Writes path with mode 0600 from its creation (never wider, whatever the umask), through a rename."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # O_EXCL below: a leftover could carry a wider mode
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)  # atomic: readers never see half a file
+    """Writes path with mode 0600 from its creation (never wider, whatever the umask), through a rename: readers
+    never see half a file."""
+    write_atomic(path, text, mode=0o600, unique=True)
 
 
 def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | None, timeout_s: int) -> dict:

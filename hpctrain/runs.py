@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from hpctrain.fsutil import write_atomic
 
 
 def new_run_dir(run_root: str | Path, name: str) -> Path:
@@ -46,9 +47,7 @@ def _why_not(root: Path, error: OSError) -> str:
 
 def write_json(path: Path, obj: Any) -> None:
     """Writes through a temporary file and a rename, so readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def rank_log_path(run_dir: Path, rank: int) -> Path:

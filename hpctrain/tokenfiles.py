@@ -14,12 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
+
+from hpctrain.fsutil import write_atomic
 
 
 class TokenSource:
@@ -66,14 +67,13 @@ def _id_range(path: Path, array: Any, n: int, dtype: np.dtype) -> tuple[int, int
             pass  # missing, unreadable or damaged: scan
     low, high = _scan_ids(array, n)
     for cache in caches:
-        tmp = cache.with_name(f"{cache.name}.{secrets.token_hex(4)}.tmp")  # ranks may scan at once: own names
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(key | {"min_id": low, "max_id": high}) + "\n")
-            os.replace(tmp, cache)
+            # unique: ranks may scan at once
+            write_atomic(cache, json.dumps(key | {"min_id": low, "max_id": high}) + "\n", unique=True)
             break
         except OSError:
-            tmp.unlink(missing_ok=True)
+            pass  # not writable: try the next place
     return low, high
 
 

@@ -84,6 +84,7 @@ from hpctrain.checkpoint.index import (
     index_from_json,
     index_to_json,
 )
+from hpctrain.fsutil import write_atomic
 
 DCP_VERSION = "1.0.0"  # what torch's own FileSystemWriter stamps on Metadata.version
 VERIFY_MODES = ("full", "sampled", "none")
@@ -172,14 +173,9 @@ class HDF5Writer(StorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata.storage_meta = self.storage_meta()
-        tmp = self.path / (INDEX + ".tmp")
-        with open(tmp, "w", encoding="ascii") as fh:
-            # one write: json.dump issues a write per token, which took 70-90 ms for ~1000 entries here
-            fh.write(json.dumps(index_to_json(metadata, self.checksum), separators=(",", ":")))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path / INDEX)  # the commit: readers see the whole index or none
-        fsync(self.path)  # makes the rename and every rank's new shard file durable
+        # the commit: readers see the whole index or none. Its directory's fsync makes the rename and every rank's
+        # new shard file durable. json.dumps, not json.dump: one write instead of one per token.
+        write_atomic(self.path / INDEX, json.dumps(index_to_json(metadata, self.checksum), separators=(",", ":")))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

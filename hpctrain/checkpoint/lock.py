@@ -23,6 +23,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from hpctrain.fsutil import write_atomic
+
 log = logging.getLogger(__name__)
 
 NAME = "LOCK.json"
@@ -110,9 +112,7 @@ def acquire(root: Path, holder: dict | None = None) -> DirLock:
                 continue
             try:
                 if _read(path)[0] == seen:
-                    fresh = path.with_name(f"{NAME}.new-{me['token']}")
-                    _create(fresh, data)
-                    os.replace(fresh, path)
+                    write_atomic(path, data, mode=0o644, unique=True)  # one rename over the stale bytes
                     log.warning("took over the stale lock of %s: %s", root, seen.decode(errors="replace"))
                     return DirLock(path, me, data)
             finally:

@@ -43,6 +43,7 @@ from hpctrain.checkpoint.layout import (
 )
 from hpctrain.checkpoint.planners import TouchLoadPlanner
 from hpctrain.config import CheckpointConfig
+from hpctrain.fsutil import fsync_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +78,7 @@ def committed(root: Path) -> list[tuple[int, Path]]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def stripe(directory: Path, count: int, size_mb: int) -> bool:
@@ -209,9 +197,13 @@ class CheckpointManager:
             self.lock = None
 
     # -- saving -------------------------------------------------------------------------------------------
+    def _partial(self, step: int) -> Path:
+        """Where a save of `step` is written until its commit renames it."""
+        return self.root / f"{step_name(step)}.partial"
+
     def _prepare(self, step: int, need_bytes: int) -> Path:
         """Rank 0 makes a clean temporary directory, checks free space, stripes it; everyone waits."""
-        tmp = self.root / f"{step_name(step)}.partial"
+        tmp = self._partial(step)
 
         def make() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -258,7 +250,7 @@ class CheckpointManager:
         step, fut, extra, prov = self.pending
         self.pending = None
         fut.result()
-        self._commit(step, self.root / f"{step_name(step)}.partial", extra, prov)
+        self._commit(step, self._partial(step), extra, prov)
 
     def _commit(self, step: int, tmp: Path, extra_json: dict, provenance: dict) -> None:
         if dist.is_initialized():
@@ -275,9 +267,8 @@ class CheckpointManager:
                     shutil.rmtree(old)
                 os.replace(final, old)
             os.replace(tmp, final)
-            _write_json(final / MARKER, marker)  # written last: the commit point
-            _fsync_dir(final)  # the marker's directory entry
-            _fsync_dir(self.root)  # the renames
+            _write_json(final / MARKER, marker)  # written last: the commit point (durable, with its entry)
+            fsync_path(self.root)  # the renames
             if old.exists():
                 shutil.rmtree(old)
             log.info("checkpoint step %d committed in %s", step, final)
@@ -356,6 +347,6 @@ class CheckpointManager:
             dest = path.with_name(f"{path.name}.unusable-{n}")
         os.replace(path, dest)
         (dest / UNUSABLE).write_text(f"refused when loading: {why}\n")
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         log.warning("set %s aside as %s", path.name, dest.name)
         return dest
