@@ -4,12 +4,13 @@ and CheckpointManager (HDF5 storage through torch.distributed.checkpoint).
     python benchmarks/async_stall.py [--ranks 1,2] [--rounds 6]   # driver: mpiexec -n 1, then -n 2
     mpiexec -n 2 python benchmarks/async_stall.py    # one world size
 
-A ~50M-parameter fp32 model (0.2 GB of weights, 0.6 GB with AdamW's two moments) trains on synthetic data. Each
+A ~50M-parameter fp32 model (0.2 GB of weights, 0.6 GB with AdamW's two moments) trains on synthetic data, on more
+than one rank under ZeRO --zero (3 by default: every rank saves its shard). Each
 round has a synchronous and an asynchronous save (which goes first alternates, _verdict.balanced), each the same:
 --base-steps plain steps (the save's baseline: their median step time), the save, then steps after it: at least
 --after-steps, and for the async save until every rank's background write is done; at the first step boundary
-after that, CheckpointManager.wait() (rename, train_state.json, COMMITTED; nothing to do after a sync save, timed
-all the same). From the training thread, slowest rank:
+after that, CheckpointManager.wait() (train_state.json, the rename, COMMITTED; nothing to do after a sync save,
+timed all the same). From the training thread, slowest rank:
   stall      wall time inside Trainer.save(mgr, asynchronous=...), the call the training loop makes (state dicts,
              RNG table, provenance, then CheckpointManager.save); `mgr.save` is the part inside the manager
   after      the steps after the save (for the async save, those before wait() overlap the write) and their extra
@@ -22,9 +23,10 @@ Headline (benchmarks/README.md's rule), per world size: async cost / sync cost, 
 median with its order-statistic interval. Target, fixed before the run: <= 1.0 (an async save costs the loop no
 more than a sync one). The call's stall alone (async stall / sync stall, the old headline, whose README target was
 <= 0.10) is kept as raw data: it leaves out the slowdown of the steps that overlap the write. Every checkpoint is
-checked committed (COMMITTED marker, step as saved). Checkpoints go to a directory under /tmp that is removed at
-the end. Writes benchmarks/results/async_stall-<n>ranks.json (raw); the driver also
-benchmarks/results/async_stall.json (the verdicts and every world's raw data).
+checked committed (COMMITTED marker, step as saved). Checkpoints go to a directory made under --tmp (/tmp) and
+removed at the end. Also raw: staging_what_if, the copy into a fresh stager vs into one kept across saves. Writes
+benchmarks/results/async_stall-<n>ranks.json (raw); the driver also benchmarks/results/async_stall.json (the
+verdicts and every world's raw data).
 """
 from __future__ import annotations
 

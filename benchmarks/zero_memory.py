@@ -1,7 +1,7 @@
 """Per-rank bytes of model states (parameters, gradients, AdamW state) under ZeRO stages 0-3, measured from the
 real tensors of hpctrain's Trainer, against the ZeRO memory equation for fp32 Adam.
 
-    python benchmarks/zero_memory.py                 # driver: launches itself under mpiexec -n 2, then -n 4
+    python benchmarks/zero_memory.py [--ranks 2,4]   # driver: launches itself under mpiexec -n 2, then -n 4
     mpiexec -n 4 python benchmarks/zero_memory.py    # one world size
 
 Pure data parallel (tp = 1), fp32. For each stage one Trainer step runs and each rank measures:
@@ -15,14 +15,15 @@ ZeroRedundancyOptimizer: the module's own fp32 parameters), 4P + 4P/N (zero 2: F
 reshard_after_forward=False, parallelize.reshard_after_forward, keeps the gathered parameters from forward to the
 end of backward AND each rank's sharded fp32 copy, the one the optimizer updates; the measurement adds
 FSDPParam._sharded_param_data to the unsharded parameters) or 4P/N (zero 3); grads 4P (zero 0-1) or 4P/N
-(zero 2-3); optimizer 8P (zero 0) or 8P/N (zero 1-3). The table shows the largest rank (the one that runs out
-of memory first). Target, for every model and world size (benchmarks/README.md's rule, one verdict each): every
-component and the total of every stage within 5% of the equation; the verdict's value is the measured/equation
-ratio furthest from 1 over stages 0-3 and components (bytes counted: deterministic, one round). The "skewed"
-model is built to break the equation's assumptions (whole-tensor placement of ZeroRedundancyOptimizer, uneven
-FSDP shards) and is held to the same target. Memory outside the model states (DDP's gradient buckets, AdamW's
-step counters) is measured and printed under each stage. Writes benchmarks/results/zero_memory-<n>ranks.json;
-the driver also writes benchmarks/results/zero_memory.json with the verdicts.
+(zero 2-3); optimizer 8P (zero 0) or 8P/N (zero 1-3). Each component and the total are compared on the rank that
+holds the most of it (the one that runs out of memory first), so they may come from different ranks. Target, for
+every model and world size (benchmarks/README.md's rule, one verdict each): every component and the total of every
+stage within 5% of the equation; the verdict's value is the measured/equation ratio furthest from 1 over stages 0-3,
+components and totals (bytes counted: deterministic, one round). The "skewed" model is built to break the equation's
+assumptions (whole-tensor placement of ZeroRedundancyOptimizer, uneven FSDP shards) and is held to the same target.
+Memory outside the model states (DDP's gradient buckets, AdamW's step counters) is measured and printed under each
+stage. Writes benchmarks/results/zero_memory-<n>ranks.json; the driver also writes
+benchmarks/results/zero_memory.json with the verdicts.
 """
 from __future__ import annotations
 

@@ -1,9 +1,15 @@
-"""Optimizer pieces: AdamW without decay on 1-D parameters, warmup + cosine schedule, gradient clipping on the
-true global norm across tensor-parallel and FSDP shards, and a dynamic loss scaler for fp16.
+"""Optimizer pieces: AdamW without decay on 1-D parameters, the learning rate (linear batch scaling when asked),
+warmup + cosine schedule, gradient clipping on the true global norm across tensor-parallel and FSDP shards and
+pipeline stages, and a dynamic loss scaler for fp16.
 
-    opt = build_optimizer(model, cfg.train, zero_group)   # ZeroRedundancyOptimizer when zero_group is given
-    sched = build_schedule(opt, cfg.train, total_steps)
-    norm = grad_norm(params, pp_group); clip_grads(params, 1.0, norm)   # the same norm on every rank
+    lr = effective_lr(cfg.train, global_batch)             # train.lr, scaled when train.scale_lr_with_batch is set
+    opt = build_optimizer(model, cfg.train, lr, zero_group)  # ZeRO-1 (ZeroRedundancyOptimizer) when zero_group is given
+    sched = build_schedule(opt, cfg.train, lr, cfg.train.steps)  # LambdaLR, stepped once per train step
+    norm = grad_norm(params, pp_group); clip_grads(params, t.grad_clip, norm)   # the same norm on every rank
+    scaler = LossScaler(enabled=precision == "fp16", init_scale=t.loss_scale)
+
+Tested through training: tests/test_train_equivalence.py (grad norms against a one-process reference, the
+skipped non-finite step) and tests/test_grad_scale_mutations.py.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None
                                       process_group=zero_group, weight_decay=t.weight_decay, **kwargs)
         opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
         return opt
-    # foreach kernels work on DTensor shards too; fused is CUDA-only here
+    # foreach: multi-tensor kernels that take DTensor shards (FSDP, TP) as they take plain tensors. Fused AdamW
+    # would let Trainer._optimizer_step skip a non-finite step without a host sync; it is not used yet.
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 

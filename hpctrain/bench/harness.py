@@ -1,12 +1,15 @@
-"""The one benchmark harness: for each size and placement, fill seeded inputs, warm up, time a loop between
-barriers (device synchronised), take the slowest rank's time, then refill, run once and count wrong elements.
+"""The one benchmark harness: for each size and placement (out of place, in place), fill seeded inputs, warm up,
+synchronise the device, pass a barrier, time `iters` calls (CUDA events on a GPU, the wall clock on a host) and
+keep the slowest rank's time per call (world_max); then, unless check is off, fill the receive buffer with a
+sentinel, refill the inputs, run once and count wrong elements summed over the ranks (world_sum).
 The inputs are closed-form (pattern.py): filling and checking work chunk by chunk on the buffers' device, with
 memory O(chunk) per rank whatever the world size and message size.
 
     opts = Options(colls=["all_reduce"], sizes=size_sweep(1024, 1 << 20))
-    rows = run_benchmark(opts, ctx_for(mesh, rank, opts), world_max, world_sum, barrier, device)
+    rows = run_benchmark(opts, ctx, device, world_max, world_sum, barrier, emit=print)
 
-Groups come in as arguments (torch groups from the mesh, or an mpi4py communicator over the same members).
+The group comes in as an argument, inside ctx (colls.Ctx: the members, a torch group from the mesh, or an mpi4py
+communicator over the same members); benchjob.py builds ctx and the three control functions from a session.
 """
 from __future__ import annotations
 
