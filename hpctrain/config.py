@@ -269,7 +269,7 @@ class CheckpointConfig:
     stripe_count: int = 0  # Lustre: lfs setstripe -c on each checkpoint directory (0: leave alone, -1: all OSTs)
     stripe_size_mb: int = 4
     at_end: bool = True  # save once more after the last step
-    chunk_mb: float = 0.0  # 0: contiguous HDF5 datasets (fastest measured); > 0: chunked, chunks up to this size
+    chunk_mb: float = 0.0  # 0: contiguous HDF5 datasets (one write, one read each); > 0: chunks up to this size
 
     def __post_init__(self) -> None:
         _check_fields("checkpoint", self)
