@@ -17,7 +17,7 @@ from faults import record
 from test_checkpoint_manager import SMALL, _flip_a_byte
 
 from conftest import hpctrain
-from hpctrain import session
+from hpctrain import fsutil, session
 from hpctrain.checkpoint import hdf5_storage
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.h5file import crc32
@@ -313,10 +313,10 @@ def test_any_number_of_step_digits(tmp_path) -> None:
 
 
 def test_step_directory_fsynced_after_marker(tmp_path, monkeypatch) -> None:
-    synced = []
-    real = mgr_mod._fsync_dir
-    monkeypatch.setattr(mgr_mod, "_fsync_dir", lambda p: (synced.append((Path(p), (Path(p) / "COMMITTED").exists())),
-                                                          real(p)))
+    synced = []  # the marker goes through fsutil.write_atomic, which fsyncs its directory after the rename
+    real = fsutil.fsync_path
+    monkeypatch.setattr(fsutil, "fsync_path", lambda p: (synced.append((Path(p), (Path(p) / "COMMITTED").exists())),
+                                                         real(p)))
     _fit(tmp_path, "train.steps=1")
     assert (tmp_path / "ck" / "step_00000001", True) in synced
 
