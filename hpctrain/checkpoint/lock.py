@@ -100,8 +100,9 @@ def acquire(root: Path, holder: dict | None = None) -> DirLock:
                 raise CheckpointDirLocked(f"checkpoint directory {root} is in use by {who} (host {rec['host']}, "
                                           f"pid {rec['pid']}, started {rec['started']}){why}; {_ADVICE}")
             # Takeover. Only the taker that creates the marker named after these bytes may replace them, in one
-            # os.replace: LOCK.json is never absent, so no fresh acquire slips in beside it. The marker goes once
-            # those bytes are gone for good; a slower taker that creates it then finds other bytes and starts over.
+            # os.replace (fsutil.write_atomic): LOCK.json is never absent, so no fresh acquire slips in beside it.
+            # The marker goes once those bytes are gone for good; a slower taker that creates it then finds other
+            # bytes and starts over.
             # Windows left: a taker killed between marker and replace blocks takeovers of that lock until a person
             # removes both files (the error says which); a holder misjudged stale loses its lock (see _stale).
             marker = path.with_name(f"{NAME}.takeover-{hashlib.blake2b(seen, digest_size=8).hexdigest()}")
