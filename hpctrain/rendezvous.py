@@ -157,6 +157,15 @@ def _mpi_comm():
     return MPI.COMM_WORLD
 
 
+def mpi_bcast(comm, obj):
+    """comm.bcast from rank 0, then a barrier: every rank leaves the exchange together. MPI makes progress only
+    inside MPI calls; a root that went on to torch with its send still queued would leave a peer in bcast for good
+    (seen with MPICH's OFI/TCP module, which connects to a peer on first use)."""
+    obj = comm.bcast(obj, root=0)
+    comm.Barrier()
+    return obj
+
+
 def mpi_running() -> bool:
     """MPI was started in this process (identify() under MPI) and is not finalized yet."""
     mpi = sys.modules.get("mpi4py.MPI")
@@ -216,7 +225,7 @@ def identify(rendezvous: str = "auto") -> Identity:
         comm = _mpi_comm()
         check_mpi_world(comm.Get_size())  # first: a lone task would pass every collective below
         names, hosts = zip(*comm.allgather((node_name(), socket.gethostname())))
-        job_id = comm.bcast(_job_id(os.environ), root=0)  # outside Slurm each rank would name its own pid
+        job_id = mpi_bcast(comm, _job_id(os.environ))  # outside Slurm each rank would name its own pid
         return identity_from_node_names(comm.Get_rank(), list(names), "mpi", job_id, list(hosts))
     if launcher == "single":
         return Identity(0, 1, 0, 0, node_name(), 1, "single", _job_id(os.environ), socket.gethostname())
@@ -296,7 +305,7 @@ def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | Non
     """Rank 0's store address and the job's secret to every rank: over MPI when we have it, else through a file
     only the job's user can read (removed by _admit once every rank has connected)."""
     if ident.launcher == "mpi":
-        return _mpi_comm().bcast(info, root=0)
+        return mpi_bcast(_mpi_comm(), info)
     if directory is None:
         raise ValueError(f"launcher {ident.launcher!r} without MPI needs a shared run directory for rendezvous")
     path = _rendezvous_file(ident, directory)
