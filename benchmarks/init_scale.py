@@ -70,7 +70,7 @@ def old_fill(model, dims, seed: int) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
     with torch.no_grad():
         for name, p in model.named_parameters():
-            name = parallelize.clean_name(name)
+            name = model_mod.clean_name(name)
             std = model_mod.init_std(name, dims)
             if std is None:
                 full = torch.ones(p.shape)
@@ -116,7 +116,7 @@ def measure(cfg, mesh, old: bool) -> dict:
         shard_bytes += math.prod(local_shape) * local.element_size()
         storage.add((local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()))
         params += 1
-        name = parallelize.clean_name(name)
+        name = model_mod.clean_name(name)
         if math.prod(local_shape) < p.numel() and drawn.get(name, 0) >= p.numel():
             whole.append(name)  # a sharded parameter drawn whole
     shard_elems = shard_bytes // 4

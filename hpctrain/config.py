@@ -13,11 +13,10 @@ import difflib
 import json
 import math
 import re
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomllib
 
 
 def _check(ok: bool, msg: str) -> None:

@@ -12,7 +12,6 @@ index.json (JSON, no pickle), train_state.json, the COMMITTED marker and the HDF
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections import defaultdict
 from contextlib import ExitStack
@@ -36,6 +35,7 @@ from hpctrain.checkpoint.hdf5_storage import (
 )
 from hpctrain.checkpoint.layout import EXTRA, MARKER, Verdict, parse_name, read_committed, verify_data
 from hpctrain.checkpoint.manager import committed
+from hpctrain.fsutil import replacing
 
 STATUS = {"": "committed", ".partial": "partial", ".old": "replaced"}  # by name suffix; else "unusable"
 MODEL_PREFIX = "model."  # the model's entries in a training checkpoint (train.py's state: model, optimizer, rng)
@@ -245,13 +245,8 @@ def export_safetensors(ckpt: Path, out: Path) -> dict[str, Any]:
     # widest items first, so every tensor starts aligned to its item size (the header is padded to 8 bytes)
     model.sort(key=lambda x: -x[1].properties.dtype.itemsize)
     header, data_bytes = _safetensors_header(ckpt, model)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
+    with replacing(out) as tmp:  # fsynced, renamed, directory fsynced; removed if writing fails
         _write_safetensors(tmp, header, data_bytes, reader, ckpt, model, pieces)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
     return {"path": str(out), "num_tensors": len(model), "bytes": out.stat().st_size,
             "params": sum(tmd.size.numel() for _, tmd in model)}
 
@@ -291,8 +286,6 @@ def _write_safetensors(tmp: Path, header: bytes, data_bytes: int, reader: HDF5Re
             arr = _assemble(ckpt, fqn, tuple(tmd.size), pieces[fqn], open_file)
             fh.write(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
         assert fh.tell() == 8 + len(header) + data_bytes, (fh.tell(), len(header), data_bytes)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_file) -> np.ndarray:
