@@ -153,7 +153,7 @@ def main() -> None:
             base_opts = harness.Options(colls=list(CASES), sizes=sizes, warmup=args.warmup, check=False,
                                         backend=backend)
             ctx = benchjob.make_ctx(s, base_opts)
-            world_max, world_sum, barrier = benchjob._control(base_opts, s.device)
+            world_max, world_sum, barrier = benchjob.world_control(base_opts, s.device)
             for name, placement in CASES.items():
                 coll = colls.COLLS[name]
                 pctx = replace(ctx, inplace=placement == "in")
@@ -161,8 +161,8 @@ def main() -> None:
                     T = elements(name, size, n)
                     base = (TorchBaseline if backend == "torch" else MpiBaseline)(name, T, n)
                     opts = replace(base_opts, colls=[name], placements=(placement,))
-                    bufs = harness._buffers(coll, pctx, T, torch.float32, s.device, backend)
-                    inputs = harness._Inputs(opts, torch.float32, n)
+                    bufs = harness.alloc_buffers(coll, pctx, T, torch.float32, s.device, backend)
+                    inputs = harness.Inputs(opts, torch.float32, n)
                     # iterations for a ~loop_s timed loop, from the baseline's probe (the same on every rank)
                     probe = _world_max(base.time(3, 1))
                     iters = max(5, min(200, int(args.loop_s / max(probe, 1e-6))))

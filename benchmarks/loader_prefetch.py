@@ -46,7 +46,7 @@ CPU_CASE = ["model.vocab_size=256", "model.dim=256", "model.n_layers=4", "model.
 def token_file(root: Path) -> Path:
     path = root / "tokens.h5"
     ids = np.random.default_rng(0).integers(1, 256, size=1 << 25).astype(np.uint16)
-    data._write_tokens(ids, path)
+    data.write_tokens(ids, path)
     return path
 
 

@@ -27,8 +27,11 @@ from hpctrain.config import Config
 log = logging.getLogger(__name__)
 
 
-def _control(opts: harness.Options, device: torch.device):
-    """world_max, world_sum and barrier over the backend under test (MPI timings never touch torch)."""
+def world_control(opts: harness.Options, device: torch.device):
+    """(world_max, world_sum, barrier) over the backend under test, for run_placement: world_max(float) and
+    world_sum(int) are all-reduces over every rank of the world returning the result on each, barrier() waits for
+    all ranks. Under opts.backend == "mpi" they go through mpi4py's COMM_WORLD (MPI timings never touch torch);
+    otherwise through torch.distributed's default group, with tensors on `device`. Collective: every rank calls."""
     if opts.backend == "mpi":
         from mpi4py import MPI
         w = MPI.COMM_WORLD
@@ -87,7 +90,7 @@ def _preamble(s: session.Session, opts: harness.Options, ctx: Ctx, out: Callable
 def run_collectives(s: session.Session, opts: harness.Options, json_path: str | None,
                     plot_path: str | None) -> dict[str, Any]:
     ctx = make_ctx(s, opts)
-    world_max, world_sum, barrier = _control(opts, s.device)
+    world_max, world_sum, barrier = world_control(opts, s.device)
     out = Printer(s)
     _preamble(s, opts, ctx, out)
     rows: list[sweep.Row] = []

@@ -96,8 +96,11 @@ def _read_text(path: Path) -> bytes | None:
     return None if b"\x00" in raw else raw
 
 
-def _write_tokens(tokens: np.ndarray, out: Path) -> None:
-    """Writes to a temporary name first so a reader never sees half a file."""
+def write_tokens(tokens: np.ndarray, out: Path) -> None:
+    """Writes `tokens` (byte-tokenizer ids, stored as little-endian uint16; the record says vocab_size VOCAB_SIZE,
+    tokenizer "bytes") to `out` in the format its suffix picks, as build_dataset describes: .bin or .npy with a
+    `<out>.json` sidecar, anything else HDF5 (dataset "tokens", the record in its attrs). Writes to a temporary
+    name first so a reader never sees half a file."""
     meta = {"dtype": "uint16", "byteorder": "little", "num_tokens": int(tokens.size),
             "vocab_size": VOCAB_SIZE, "tokenizer": "bytes"}
     if out.suffix in (".bin", ".npy"):  # HDF5 keeps the same record in attributes
@@ -142,7 +145,7 @@ def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
         pieces.append(doc)
     tokens = np.concatenate(pieces).astype(np.uint16)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_tokens(tokens, out)
+    write_tokens(tokens, out)
     return {"files": len(docs), "skipped": skipped, "tokens": int(tokens.size),
             "bytes": out.stat().st_size, "path": str(out)}
 

@@ -84,8 +84,8 @@ def check_path(coll: str, nbytes: int, world: int, rank: int = 5, op: str = "sum
     tdtype = DTYPES[dtype]
     T = nbytes // tdtype.itemsize // c.align(world) * c.align(world)
     with fake_rank(rank, world):
-        buffers = harness._buffers(c, ctx, T, tdtype, torch.device("cpu"), "torch")
-        inputs = harness._Inputs(opts, tdtype, world)
+        buffers = harness.alloc_buffers(c, ctx, T, tdtype, torch.device("cpu"), "torch")
+        inputs = harness.Inputs(opts, tdtype, world)
         tracker = LiveBytes() if track else contextlib.nullcontext()
         t0 = time.perf_counter()
         with tracker:
@@ -183,7 +183,7 @@ def test_harness_at_128_members_right_result_and_injection():
     n, T = 128, 4096
     seed = next(s for s in range(100) if int(Pattern(s, torch.bfloat16, "sum", n).reduced(torch.arange(1))) == 256)
     opts = Options(colls=["all_reduce"], sizes=[2 * T], iters=1, warmup=0, dtype="bfloat16", seed=seed)
-    inputs = harness._Inputs(opts, torch.bfloat16, n)
+    inputs = harness.Inputs(opts, torch.bfloat16, n)
     pat = inputs.pattern(COLLS["all_reduce"])
     right = dataclasses.replace(COLLS["all_reduce"],
                                 run_torch=lambda s, r, c: r.copy_(pat.reduced(torch.arange(r.numel()))))
@@ -224,7 +224,7 @@ def test_simulated_world_zero_wrong_and_misrouting_caught(coll, dtype, op):
     c, tdtype = COLLS[coll], DTYPES[dtype]
     for n in (2, 3, 4, 5):
         T, root = 60 * c.align(n), n - 1
-        pat = harness._Inputs(Options(colls=[coll], sizes=[T], op=op, dtype=dtype), tdtype, n).pattern(c)
+        pat = harness.Inputs(Options(colls=[coll], sizes=[T], op=op, dtype=dtype), tdtype, n).pattern(c)
         sends = [torch.empty(c.sizes(T, n)[0], dtype=tdtype) for _ in range(n)]
         for j, buf in enumerate(sends):
             pat.fill(buf, j, chunk=7)  # chunk edges fall inside every collective's chunks

@@ -271,7 +271,7 @@ def test_failure_after_data_reached_live_state_is_fatal(tmp_path, monkeypatch) -
         calls.append(a)
         if len(calls) == 3:
             raise hdf5_storage.CheckpointCorrupt("x", None, "injected after the verification pass")
-    monkeypatch.setattr(hdf5_storage, "_check", fails)  # only the load's own check, not the verification pass
+    monkeypatch.setattr(hdf5_storage, "check_crc32", fails)  # only the load's own check, not the verification pass
     with pytest.raises(mgr_mod.PartialLoad, match="not falling back"):
         _fit(tmp_path, "train.steps=3")
     assert _steps(tmp_path / "ck") == [1, 2]

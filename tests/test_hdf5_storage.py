@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from conftest import REPO, free_base_port, spawn_ranks
 from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.checkpoint.h5file import chunk_shape as _chunk_shape
-from hpctrain.checkpoint.index import _decode, _encode
+from hpctrain.checkpoint.index import json_decode, json_encode
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -170,10 +170,10 @@ def test_index_is_json_and_rebuilds_metadata(tmp_path: Path) -> None:
 
 def test_planner_data_json_codec() -> None:
     data = {"a": ("x", 0), "b": [1, 2.5, None, True], "__tuple__": 1, "nested": {(1, 2): "k"}}
-    assert _decode(json.loads(json.dumps(_encode(data)))) == data
-    assert _decode(_encode({"__tuple__": [1]})) == {"__tuple__": [1]}
+    assert json_decode(json.loads(json.dumps(json_encode(data)))) == data
+    assert json_decode(json_encode({"__tuple__": [1]})) == {"__tuple__": [1]}
     with pytest.raises(TypeError, match="no pickle"):
-        _encode({"a": object()})
+        json_encode({"a": object()})
 
 
 def test_chunked_layout_round_trip(tmp_path: Path) -> None:

@@ -142,17 +142,23 @@ class _Timer:
             self.seconds = time.perf_counter() - self.t0
 
 
-class _Inputs:
-    """The seeded inputs of a group of nranks members, one closed-form Pattern per collective (nothing stored)."""
+class Inputs:
+    """The seeded inputs of a group of nranks members, one closed-form Pattern per collective (nothing stored).
+    Every member builds its own from the same (opts.seed, opts.op, dtype, nranks) and gets the same patterns, so
+    the expected results can be checked without any exchange; run_placement takes one."""
 
     def __init__(self, opts: Options, dtype: torch.dtype, nranks: int) -> None:
         self.opts, self.dtype, self.nranks = opts, dtype, nranks
 
     def pattern(self, coll: Coll) -> Pattern:
+        """The Pattern of coll's inputs and expected outputs (with opts.op for a reducing collective, else none)."""
         return Pattern(self.opts.seed, self.dtype, self.opts.op if coll.reduces else None, self.nranks)
 
 
-def _buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def alloc_buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """New zeroed (send, recv) tensors of `dtype` on `device` for coll with T elements per rank in ctx's group,
+    sized by coll.sizes; for an in-place ctx, two views of one buffer (coll.views). What run_placement allocates
+    when it is not given `buffers`, and what a caller allocates once to reuse across run_placement calls."""
     send_n, recv_n = coll.sizes(T, ctx.n)
     if ctx.inplace:
         buf = torch.zeros(max(send_n, recv_n), dtype=dtype, device=device)
@@ -160,13 +166,13 @@ def _buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple
     return torch.zeros(send_n, dtype=dtype, device=device), torch.zeros(recv_n, dtype=dtype, device=device)
 
 
-def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: _Inputs,
+def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: Inputs,
                   world_max: Callable[[float], float], world_sum: Callable[[int], int],
                   barrier: Callable[[], None], buffers: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> dict[str, Any]:
     """Times and checks one placement; `buffers` (send, recv) may be given to reuse memory across calls."""
     dtype = DTYPES[opts.dtype]
-    send, recv = buffers or _buffers(coll, ctx, T, dtype, device, opts.backend)
+    send, recv = buffers or alloc_buffers(coll, ctx, T, dtype, device, opts.backend)
     run = coll.run_torch if opts.backend == "torch" else coll.run_mpi
     pattern, chunk = inputs.pattern(coll), check_chunk(send.device)
     pattern.fill(send, ctx.idx, chunk)
@@ -208,7 +214,7 @@ def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_max: Call
             T = (size // elem) // align * align
             if T == 0:
                 continue
-            inputs = _Inputs(opts, dtype, ctx.n)
+            inputs = Inputs(opts, dtype, ctx.n)
             res = {}
             for placement in ("out", "in"):
                 if placement in coll.placements[opts.backend] and placement in opts.placements:

@@ -77,12 +77,12 @@ from hpctrain.checkpoint.index import (
     FORMAT_VERSION,
     INDEX,
     Stored,
-    _decode,
-    _dtype,
-    _dtype_name,
-    _encode,
+    dtype_from_name,
+    dtype_name,
     index_from_json,
     index_to_json,
+    json_decode,
+    json_encode,
 )
 from hpctrain.fsutil import write_atomic
 
@@ -151,7 +151,7 @@ class HDF5Writer(StorageWriter):
                     arr, dtype, leaf = np.frombuffer(to_json(fqn, data), dtype=np.uint8), "json", "bytes"
                 else:
                     t = data.detach().to("cpu").contiguous()
-                    arr, dtype = numpy_view(t), _dtype_name(t.dtype)
+                    arr, dtype = numpy_view(t), dtype_name(t.dtype)
                     leaf = "_".join(map(str, item.tensor_data.chunk.offsets)) or "scalar"
                 dataset = f"/{quote(fqn, safe='')}/{leaf}"  # quote: a '/' inside an FQN is not a subgroup
                 chunks = chunk_shape(arr.shape, arr.itemsize, self.chunk_bytes) if self.chunk_bytes else None
@@ -272,7 +272,7 @@ class HDF5Reader(StorageReader):
         started = self._prefetch_started
         with ThreadPoolExecutor(1) as prefetcher:
             for name, by_dataset in by_file.items():
-                with self._open(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
+                with self.open_file(name, next(iter(by_dataset.values()))[0][1].file_bytes) as f:
                     opened = [(open_stored(f, self.path, items[0][1]), items) for items in by_dataset.values()]
                     rest = [dsid for dsid, items in opened if name + items[0][1].dataset not in started]
                     if rest:  # chunked datasets, or checkpoints whose index.json records no offsets
@@ -283,7 +283,10 @@ class HDF5Reader(StorageReader):
         future.set_result(None)
         return future
 
-    def _open(self, name: str, file_bytes: int) -> h5py.File:
+    def open_file(self, name: str, file_bytes: int) -> h5py.File:
+        """The checkpoint's file `name` (relative to the checkpoint directory), opened read-only; the caller closes
+        it. Raises CheckpointCorrupt when it is missing, its size is not file_bytes (index.json's record), or it is
+        not a readable HDF5 file."""
         path = self.path / name
         if not path.is_file():
             raise CheckpointCorrupt(path, None, "missing")
@@ -306,11 +309,11 @@ class HDF5Reader(StorageReader):
                 assert target.shape == torch.Size(req.lengths), (req, target.shape)
                 if whole is None and _fits(target, dsid.shape, stored.dtype):
                     whole, filled = numpy_view(target), True  # common case: read straight into the destination
-                    _read(dsid, where, out=whole)
+                    read_stored(dsid, where, out=whole)
             if whole is None and (unchecked or target is None):
-                whole = _read(dsid, where)
+                whole = read_stored(dsid, where)
             if unchecked:  # before use: the planner unpickles bytes items; tensors are committed below
-                _check(crc32(whole), stored, where)
+                check_crc32(crc32(whole), stored, where)
                 unchecked = False
             if target is None:  # a JSON value, parsed here; the planner gets it as the torch.save bytes it expects
                 planner.load_bytes(req, from_json(whole.tobytes(), where))
@@ -318,10 +321,10 @@ class HDF5Reader(StorageReader):
             if not filled:
                 select = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
                 if whole is None:
-                    arr = _read(dsid, where, select)  # only the slice this rank needs
+                    arr = read_stored(dsid, where, select)  # only the slice this rank needs
                 else:
                     arr = whole[select] if select else whole
-                target.copy_(from_numpy(arr, _dtype(stored.dtype)))
+                target.copy_(from_numpy(arr, dtype_from_name(stored.dtype)))
             planner.commit_tensor(req, target)
 
     @classmethod
@@ -329,14 +332,16 @@ class HDF5Reader(StorageReader):
         return Path(checkpoint_id, INDEX).is_file()
 
 
-def _check(got: int, stored: Stored, where: tuple[Path, str]) -> None:
+def check_crc32(got: int, stored: Stored, where: tuple[Path, str]) -> None:
+    """Raises CheckpointCorrupt at `where` (file path, dataset) unless `got`, the crc32 of the bytes read, is the
+    one index.json recorded for them (stored.crc32; callers skip the check when that is None)."""
     if got != stored.crc32:
         raise CheckpointCorrupt(*where, f"crc32 {got:#010x}, saved as {stored.crc32:#010x}")
 
 
 def _fits(target: torch.Tensor, shape: tuple[int, ...], dtype: str) -> bool:
     """Whether the stored dataset can be read into target's memory as is."""
-    return (target.device.type == "cpu" and target.is_contiguous() and _dtype_name(target.dtype) == dtype
+    return (target.device.type == "cpu" and target.is_contiguous() and dtype_name(target.dtype) == dtype
             and tuple(target.shape) == tuple(shape) and target.numel() > 0)
 
 
@@ -355,7 +360,7 @@ def open_stored(f: h5py.File, ckpt: Path, stored: Stored) -> h5py.h5d.DatasetID:
         raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {stored.nbytes}")
     if stored.shape is not None and tuple(dsid.shape) != tuple(stored.shape):
         raise CheckpointCorrupt(*where, f"shape {list(dsid.shape)}, index.json says {list(stored.shape)}")
-    want = np.dtype(np.uint8) if stored.dtype in BYTES_DTYPES else numpy_view(torch.empty(0, dtype=_dtype(
+    want = np.dtype(np.uint8) if stored.dtype in BYTES_DTYPES else numpy_view(torch.empty(0, dtype=dtype_from_name(
         stored.dtype))).dtype
     if dsid.dtype != want:
         raise CheckpointCorrupt(*where, f"stored as {dsid.dtype}, index.json's {stored.dtype} needs {want}")
@@ -370,7 +375,7 @@ def to_json(fqn: str, data: io.BytesIO) -> bytes:
     the live state dict; they are read back with the weights-only unpickler (plain values only) and re-encoded."""
     try:
         value = torch.load(io.BytesIO(data.getvalue()), weights_only=True)
-        return json.dumps(_encode(value), separators=(",", ":")).encode("utf-8")
+        return json.dumps(json_encode(value), separators=(",", ":")).encode("utf-8")
     except (TypeError, pickle.UnpicklingError) as e:
         raise TypeError(f"{fqn}: a checkpoint holds tensors and JSON values only ({e})") from None
 
@@ -379,7 +384,7 @@ def from_json(raw: bytes, where: tuple[Path, str]) -> io.BytesIO:
     """A stored JSON value, as the torch.save bytes DCP's load planners read: made here from the parsed JSON
     (plain values only), so nothing that came from the file is ever unpickled."""
     try:
-        value = _decode(json.loads(raw.decode("utf-8")))
+        value = json_decode(json.loads(raw.decode("utf-8")))
     except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointCorrupt(*where, f"not a JSON value ({e}); refused unread") from None
     buf = io.BytesIO()
@@ -388,9 +393,11 @@ def from_json(raw: bytes, where: tuple[Path, str]) -> io.BytesIO:
     return buf
 
 
-def _read(dsid: h5py.h5d.DatasetID, where: tuple[Path, str], select: tuple = (),
+def read_stored(dsid: h5py.h5d.DatasetID, where: tuple[Path, str], select: tuple = (),
           out: np.ndarray | None = None) -> np.ndarray:
-    """The whole dataset (into `out` when given: C-contiguous, of its shape and dtype), or the slice `select`."""
+    """The whole dataset (into `out` when given: C-contiguous, of its shape and dtype), or the slice `select`, as
+    stored (raw bits for bfloat16 and float8). A read error (damaged chunk or B-tree) raises CheckpointCorrupt at
+    `where` (file path, dataset)."""
     try:
         if select:
             return h5py.Dataset(dsid)[select]

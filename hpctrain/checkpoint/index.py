@@ -38,14 +38,18 @@ class Stored:
     shape: tuple[int, ...] | None = None  # the dataset's shape (the chunk's sizes; (nbytes,) for a JSON value)
 
 
-def _dtype(name: Any) -> torch.dtype:
+def dtype_from_name(name: Any) -> torch.dtype:
+    """The torch dtype an index.json "dtype" field names (dtype_name's inverse: "bfloat16" -> torch.bfloat16).
+    Raises ValueError for anything that is not the name of a torch.dtype attribute (never evaluates the string)."""
     dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
     return dtype
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name index.json stores for a torch dtype: its attribute name in torch ("bfloat16" for torch.bfloat16),
+    which dtype_from_name turns back."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -55,11 +59,11 @@ def index_to_json(metadata: Metadata, checksum: bool) -> dict[str, Any]:
     """{"format", "format_version", "dcp_version", "checksum": "crc32"|null, "storage_meta": {...},
     "files": {name: bytes}, "state_dict_metadata": {fqn: {"type": "tensor", "dtype", "requires_grad", "size",
     "chunks": [{"offsets", "sizes"}]} | {"type": "bytes"}}, "storage_data": [{"fqn", "offset", "index", "file",
-    "dataset", "dtype", "nbytes", "crc32", "file_offset"}], "planner_data": tagged JSON (see _encode)}"""
+    "dataset", "dtype", "nbytes", "crc32", "file_offset"}], "planner_data": tagged JSON (see json_encode)}"""
     def entry(fqn: str, md: TensorStorageMetadata | BytesStorageMetadata) -> dict[str, Any]:
         if isinstance(md, BytesStorageMetadata):
             return {"type": "bytes"}
-        return {"type": "tensor", "dtype": _dtype_name(md.properties.dtype),
+        return {"type": "tensor", "dtype": dtype_name(md.properties.dtype),
                 "requires_grad": md.properties.requires_grad, "size": list(md.size),
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks]}
 
@@ -74,7 +78,7 @@ def index_to_json(metadata: Metadata, checksum: bool) -> dict[str, Any]:
         "storage_data": [{"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset), "index": i.index,
                           "file": s.file, "dataset": s.dataset, "dtype": s.dtype, "nbytes": s.nbytes,
                           "crc32": s.crc32, "file_offset": s.file_offset} for i, s in storage],
-        "planner_data": _encode(metadata.planner_data),
+        "planner_data": json_encode(metadata.planner_data),
     }
 
 
@@ -113,8 +117,8 @@ def _entry_from_json(fqn: str, d: Any) -> TensorStorageMetadata | BytesStorageMe
         _need(len(offsets) == len(sizes) == len(size) and all(o + n <= s for o, n, s in zip(offsets, sizes, size)),
               f"{fqn}: chunk at {offsets} of {sizes} does not fit a tensor of size {size}")
         out.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-    return TensorStorageMetadata(TensorProperties(dtype=_dtype(d.get("dtype")), requires_grad=d["requires_grad"]),
-                                 torch.Size(size), out)
+    props = TensorProperties(dtype=dtype_from_name(d.get("dtype")), requires_grad=d["requires_grad"])
+    return TensorStorageMetadata(props, torch.Size(size), out)
 
 
 def index_from_json(doc: Any) -> Metadata:
@@ -154,8 +158,8 @@ def index_from_json(doc: Any) -> Metadata:
             _need(dtype in BYTES_DTYPES, f"{fqn}: dtype {dtype!r} of a non-tensor value")
             shape: tuple[int, ...] = (nbytes,)
         else:
-            _need(dtype == _dtype_name(md.properties.dtype), f"{fqn}: dtype {dtype!r}, metadata says "
-                                                              f"{_dtype_name(md.properties.dtype)}")
+            _need(dtype == dtype_name(md.properties.dtype), f"{fqn}: dtype {dtype!r}, metadata says "
+                                                             f"{dtype_name(md.properties.dtype)}")
             sizes = [c.sizes for c in md.chunks if list(c.offsets) == (offset or [])]
             _need(len(sizes) == 1, f"{fqn}: stored chunk at {offset} is not one of the metadata's chunks")
             shape = tuple(sizes[0])
@@ -175,7 +179,7 @@ def index_from_json(doc: Any) -> Metadata:
     modules = meta.get("modules")
     _need(modules is None or (isinstance(modules, list) and all(isinstance(m, str) for m in modules)),
           f"storage_meta.modules = {modules!r}")
-    return Metadata(state_dict_metadata=entries, planner_data=_decode(doc.get("planner_data")),
+    return Metadata(state_dict_metadata=entries, planner_data=json_decode(doc.get("planner_data")),
                     storage_data=storage, storage_meta=StorageMeta(meta["checkpoint_id"], meta["save_id"], None,
                                                                    modules),
                     version=doc["dcp_version"])
@@ -184,29 +188,32 @@ def index_from_json(doc: Any) -> Metadata:
 _TAGS = ("__tuple__", "__dict__")
 
 
-def _encode(obj: Any) -> Any:
-    """Planner data as JSON. DCP's default planner puts {fqn: key path tuple} here; tuples and dicts whose keys are
-    not all strings get a one-key tag object. Anything else is refused rather than pickled."""
+def json_encode(obj: Any) -> Any:
+    """Planner data (and non-tensor state values) as JSON-serialisable data; json_decode undoes it exactly. DCP's
+    default planner puts {fqn: key path tuple} here; tuples and dicts whose keys are not all strings get a one-key
+    tag object. Anything else is refused rather than pickled."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, list):
-        return [_encode(x) for x in obj]
+        return [json_encode(x) for x in obj]
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(x) for x in obj]}
+        return {"__tuple__": [json_encode(x) for x in obj]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
-            return {k: _encode(v) for k, v in obj.items()}
-        return {"__dict__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+            return {k: json_encode(v) for k, v in obj.items()}
+        return {"__dict__": [[json_encode(k), json_encode(v)] for k, v in obj.items()]}
     raise TypeError(f"planner data of type {type(obj).__name__} has no JSON form in index.json (no pickle here)")
 
 
-def _decode(obj: Any) -> Any:
+def json_decode(obj: Any) -> Any:
+    """json_encode's inverse: the value that json_encode was given, from the parsed JSON (tags turned back into
+    tuples and non-string-keyed dicts). Anything untagged comes back as parsed."""
     if isinstance(obj, list):
-        return [_decode(x) for x in obj]
+        return [json_decode(x) for x in obj]
     if isinstance(obj, dict):
         if len(obj) == 1 and "__tuple__" in obj:
-            return tuple(_decode(x) for x in obj["__tuple__"])
+            return tuple(json_decode(x) for x in obj["__tuple__"])
         if len(obj) == 1 and "__dict__" in obj:
-            return {_decode(k): _decode(v) for k, v in obj["__dict__"]}
-        return {k: _decode(v) for k, v in obj.items()}
+            return {json_decode(k): json_decode(v) for k, v in obj["__dict__"]}
+        return {k: json_decode(v) for k, v in obj.items()}
     return obj

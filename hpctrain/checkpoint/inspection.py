@@ -29,9 +29,9 @@ from hpctrain.checkpoint.hdf5_storage import (
     CheckpointCorrupt,
     HDF5Reader,
     Stored,
-    _check,
-    _read,
+    check_crc32,
     open_stored,
+    read_stored,
 )
 from hpctrain.checkpoint.layout import EXTRA, MARKER, Verdict, parse_name, read_committed, verify_data
 from hpctrain.checkpoint.manager import committed
@@ -278,7 +278,7 @@ def _write_safetensors(tmp: Path, header: bytes, data_bytes: int, reader: HDF5Re
 
         def open_file(s: Stored) -> h5py.File:
             if s.file not in opened:
-                opened[s.file] = files.enter_context(reader._open(s.file, s.file_bytes))
+                opened[s.file] = files.enter_context(reader.open_file(s.file, s.file_bytes))
             return opened[s.file]
 
         fh.write(struct.pack("<Q", len(header)) + header)
@@ -294,9 +294,9 @@ def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_fi
     covered = 0
     for offsets, s in pieces:
         where = (ckpt / s.file, s.dataset)
-        arr = _read(open_stored(open_file(s), ckpt, s), where)  # raw bits for bfloat16 and float8 (uint16/uint8)
+        arr = read_stored(open_stored(open_file(s), ckpt, s), where)  # raw bits for bfloat16 and float8 (uint16/uint8)
         if s.crc32 is not None:
-            _check(crc32(arr), s, where)
+            check_crc32(crc32(arr), s, where)
         if full is None:
             full = np.empty(size, dtype=arr.dtype)
         full[tuple(slice(o, o + n) for o, n in zip(offsets, arr.shape))] = arr

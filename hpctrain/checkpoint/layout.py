@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint.h5file import crc32
-from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, _check, _read, open_stored
+from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, check_crc32, open_stored, read_stored
 from hpctrain.checkpoint.index import Stored
 
 MARKER = "COMMITTED"
@@ -134,7 +134,7 @@ def verify_data(ckpt: Path, mode: str = "full", share: tuple[int, int] = (0, 1),
             continue
         v.num_datasets += len(items)
         try:
-            f = reader._open(name, items[0].file_bytes)  # checks presence and size first
+            f = reader.open_file(name, items[0].file_bytes)  # checks presence and size first
         except CheckpointCorrupt as e:
             v.problems.append(f"{e} ({len(items)} datasets not checked)")
             continue
@@ -155,9 +155,9 @@ def _verify_dataset(f, ckpt: Path, s: Stored, hash_it: bool, v: Verdict) -> None
         v.unchecksummed += 1
         hash_it = False
     if hash_it or s.dtype == "json":
-        arr = _read(dsid, where)
+        arr = read_stored(dsid, where)
         if hash_it:
-            _check(crc32(arr), s, where)
+            check_crc32(crc32(arr), s, where)
             v.num_hashed += 1
             v.bytes_hashed += s.nbytes
         if s.dtype == "json":
