@@ -86,9 +86,10 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -
 
     cfg = _load(config, overrides)
     if dry_run:
-        layout = launch.check_layout(cfg, click.echo, strict_data=False)
+        plan = launch.check_layout(cfg, click.echo, strict_data=False)
+        layout = plan.layout
         if cfg.world_size <= 512:
-            rows = mesh.rank_table(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
+            rows = mesh.rank_table(layout, plan.node_of_rank)
             click.echo(mesh.format_rank_map(layout, rows))
         else:  # a line per rank with its groups in full: 2048 x 8 ranks at dp=8192 printed 715 MB in 70 s
             click.echo(f"layout pp={layout.pp} dp={layout.dp} tp={layout.tp}: {cfg.world_size} ranks "
@@ -345,9 +346,8 @@ def topo(config: str, overrides: tuple[str, ...]) -> None:
     from hpctrain import launch, mesh
 
     cfg = _load(config, overrides)
-    layout = launch.check_layout(cfg)
-    rows = mesh.rank_table(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
-    click.echo(mesh.format_rank_map(layout, rows))
+    plan = launch.check_layout(cfg)
+    click.echo(mesh.format_rank_map(plan.layout, mesh.rank_table(plan.layout, plan.node_of_rank)))
 
 
 if __name__ == "__main__":

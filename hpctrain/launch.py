@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from hpctrain import mesh, runs
 from hpctrain.config import Config, dump_toml
+from hpctrain.plan import Plan, make_plan
 
 
 class SubmitError(RuntimeError):
@@ -204,25 +205,22 @@ def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) ->
     return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
 
 
-def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> mesh.Layout:
-    """The layout for nodes x tasks_per_node under block placement, and the model, batch and data on it,
-    refused here on the login node. strict_data=False (dry runs) only warns about the dataset, which may live
-    on a file system this machine does not see."""
-    layout = mesh.resolve_layout(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.world_size)
-    mesh.check_topology(layout, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
-    if cfg.train.steps:
-        from hpctrain import parallelize  # imports torch: only when there is training to check
-        for note in parallelize.check_training(cfg, layout.tp, layout.dp):
+def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
+    """The job's plan (layout and topology for nodes x tasks_per_node under block placement; the model and batch
+    when it trains) and its data, refused here on the login node. strict_data=False (dry runs) only warns about
+    the dataset, which may live on a file system this machine does not see."""
+    plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
+    if plan.training:
+        for note in plan.notes:
             echo(note)
         from hpctrain import data
-        from hpctrain.model import ModelDims
         try:
-            data.open_source(cfg.data, ModelDims.from_config(cfg.model, layout.tp).true_vocab_size)
+            data.open_source(cfg.data, plan.dims.true_vocab_size)
         except ValueError as e:
             if strict_data:
                 raise
             echo(f"warning: {e} (a submission would be refused)")
-    return layout
+    return plan
 
 
 def make_executor(kind: str, cfg: Config, folder: Path):

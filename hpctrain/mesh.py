@@ -149,6 +149,24 @@ class Mesh:
     node_of_rank: Sequence[int] = ()
     node_mesh: Any = None  # torch DeviceMesh, axes ("inter", "intra"): built by the first request for its groups
     node_checks: dict[str, Any] | None = None  # check_groups of the node axes, once built
+    rank: int = 0  # this process's rank (global)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's {"pp": i, "dp": j, "tp": k}."""
+        return self.layout.coords(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
 
     def group(self, axis: str):
         import torch.distributed as dist
@@ -178,28 +196,28 @@ class Mesh:
         never asks, so its ranks hold no communicator it does not use (each NCCL one costs device memory)."""
         if self.node_mesh is None:
             import torch
-            import torch.distributed as dist
             from torch.distributed.device_mesh import DeviceMesh
 
             device_type = self.device_mesh.device_type
             self.node_mesh = DeviceMesh(device_type, torch.tensor(node_members(self.node_of_rank)),
                                         mesh_dim_names=NODE_AXES)
-            self.node_checks = check_groups(self, dist.get_rank(), torch.device(device_type), NODE_AXES)
+            self.node_checks = check_groups(self, self.rank, torch.device(device_type), NODE_AXES)
             if not self.node_checks["ok"]:
                 raise RuntimeError("group checks failed:\n" + "\n".join(self.node_checks["failures"]))
         return self.node_mesh
 
 
 def build_mesh(layout: Layout, node_of_rank: Sequence[int], device_type: str) -> Mesh:
-    """Creates the (pp, dp, tp) groups; all ranks must call it with the same arguments (checked topology first).
-    The per-node groups wait for their first use (Mesh.group)."""
+    """Creates the (pp, dp, tp) groups; all ranks must call it with the same arguments, a layout whose topology
+    was checked (hpctrain.plan.make_plan checks it). The per-node groups wait for their first use (Mesh.group).
+    The mesh keeps this process's rank: its coordinates are Mesh.coords, .pp_rank, .dp_rank, .tp_rank."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    check_topology(layout, node_of_rank)
     # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl")
     device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=AXES)
-    return Mesh(layout, device_mesh, list(node_of_rank))
+    return Mesh(layout, device_mesh, list(node_of_rank), rank=dist.get_rank())
 
 
 def verify_mesh(mesh: Mesh, rank: int, device: Any, axes: Sequence[str] = ("world",) + AXES

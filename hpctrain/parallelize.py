@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hpctrain import pipeline
 from hpctrain.config import Config
+from hpctrain.mesh import Layout
 from hpctrain.model import ModelDims, Transformer, clean_name, init_slice
+from hpctrain.plan import Plan, with_training
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -178,85 +180,39 @@ def allreduce_grads(model: nn.Module, group) -> None:
         g.copy_(avg)
 
 
-def _check_supported(cfg: Config, tp: int, dp: int) -> pipeline.StagePlan | None:
-    """Refuses what does not compose; returns the pipeline's stage plan when pp > 1."""
-    z, pp = cfg.parallel.zero_stage, cfg.parallel.pp
-    plan = None
-    if pp > 1:
-        if cfg.model.tie_embeddings:
-            raise ValueError(f"model.tie_embeddings = true with parallel.pp = {pp}: the embedding (first stage) "
-                             f"and the output (last stage) live on different ranks; untie them")
-        plan = pipeline.StagePlan.build(cfg.parallel, cfg.model.n_layers)
-        plan.check_microbatches(cfg.train.grad_accum)
-        if plan.zero_bubble and z == 3 and dp > 1:
-            # measured: losses leave the single-process reference from the second step on (torch 2.13)
-            raise ValueError(f"parallel.pp_schedule = {plan.schedule!r} with parallel.zero_stage = 3 trains wrongly: "
-                             f"the deferred weight-gradient pass does not compose with parameters resharded after "
-                             f"forward; use zero_stage 2 (the same memory for gradients and optimizer state) or "
-                             f"a schedule without zero bubble (1f1b, interleaved_1f1b)")
-    if z == 1 and tp > 1:
-        raise ValueError(f"parallel.zero_stage = 1 with parallel.tp = {tp} is not supported (ZeRO-1 shards the "
-                         f"optimizer of plain DDP); use zero_stage 0, 2 or 3 with tensor parallel")
-    return plan
-
-
-def batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
-    """(micro_batch_size, global_batch_size); a global batch that does not split evenly is refused."""
-    t = cfg.train
-    if t.global_batch_size:
-        if t.global_batch_size % (dp * t.grad_accum):
-            raise ValueError(f"train.global_batch_size = {t.global_batch_size} is not divisible by dp({dp}) x "
-                             f"train.grad_accum({t.grad_accum}) = {dp * t.grad_accum}")
-        return t.global_batch_size // (dp * t.grad_accum), t.global_batch_size
-    return t.micro_batch_size, t.micro_batch_size * t.grad_accum * dp
-
-
-def check_training(cfg: Config, tp: int, dp: int) -> list[str]:
-    """Everything about the model and batch that can be refused before a job starts; returns notes to show
-    (the vocabulary padding, the pipeline's stages)."""
-    plan = _check_supported(cfg, tp, dp)
-    dims = ModelDims.from_config(cfg.model, tp)
-    batch_plan(cfg, dp)
-    notes = [pipeline.describe(plan, cfg.train.grad_accum)] if plan else []
-    if plan and cfg.parallel.zero_stage == 3 and dp > 1:
-        notes.append(f"parallel.zero_stage = 3 with parallel.pp = {plan.pp}: each stage's parameters are gathered "
-                     f"once per step, not for each of the {cfg.train.grad_accum} micro-batches, and stay whole until "
-                     f"its last backward (ZeRO-2's parameter memory during the step)")
-    if dims.vocab_size != dims.true_vocab_size:
-        notes.append(f"model.vocab_size = {dims.true_vocab_size} padded to {dims.vocab_size} (a multiple of "
-                     f"lcm(64, tp={tp})) so the vocabulary shards evenly")
-    return notes
-
-
-def build(cfg: Config, mesh, device: torch.device, fill: bool = True) -> ParallelModel:
-    """mesh: hpctrain.mesh.Mesh (or None for one process). fill=False leaves the weights allocated but unfilled:
-    pm.fill() fills them (the trainer, unless a checkpoint loads; pm.loaded() says one did)."""
-    tp = mesh.layout.tp if mesh else 1
-    dp = mesh.layout.dp if mesh else 1
-    plan = _check_supported(cfg, tp, dp)
-    dims = ModelDims.from_config(cfg.model, tp)
+def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan | None = None) -> ParallelModel:
+    """mesh: hpctrain.mesh.Mesh (or None for one process); plan: the trainer's plan (hpctrain.plan, with its
+    training part), made here on the mesh's layout when not given. fill=False leaves the weights allocated but
+    unfilled: pm.fill() fills them (the trainer, unless a checkpoint loads; pm.loaded() says one did)."""
+    if plan is None:
+        bare = Plan(mesh.layout, tuple(mesh.node_of_rank)) if mesh else Plan(Layout(1, 1, 1), (0,))
+        plan = with_training(bare, cfg)
+    tp, dp = plan.layout.tp, plan.layout.dp
+    dims = plan.dims
+    assert dims is not None
+    stages = plan.stages
     zero = cfg.parallel.zero_stage if dp > 1 else -1  # -1: no data parallel wrapping
     loss_parallel = tp > 1 and cfg.parallel.loss_parallel
     with torch.device("meta"):
         model = Transformer(dims)
-    pp_rank = mesh.layout.coords(torch.distributed.get_rank())["pp"] if plan else 0
-    if plan:
-        pipeline.prune(model, plan, pp_rank)
+    pp_rank = mesh.pp_rank if stages else 0
+    if stages:
+        pipeline.prune(model, stages, pp_rank)
     if tp > 1:
         apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel)
     apply_ac(model, cfg.train.ac, cfg.train.ac_every)
-    parts = [pipeline.stage_module(model, plan, s) for s in plan.stages_of(pp_rank)] if plan else []
+    parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     low = DTYPES[cfg.train.precision] if cfg.train.precision != "fp32" else None
     autocast = low
     if zero in (2, 3):
         apply_fsdp(model, mesh.device_mesh["dp"], zero, low, DTYPES[cfg.train.reduce_dtype], parts or None,
-                   plan.pp if plan else 1)
+                   stages.pp if stages else 1)
         autocast = None  # FSDP casts parameters itself; master weights stay fp32 in the shards
     unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill)
     sync: Callable[[bool], Any] = lambda last: contextlib.nullcontext()  # noqa: E731
-    if plan and zero in (2, 3):
+    if stages and zero in (2, 3):
         pass  # the schedule tells FSDP when the last micro-batch's backward runs
-    elif zero == 0 and tp > 1 or plan and zero in (0, 1):
+    elif zero == 0 and tp > 1 or stages and zero in (0, 1):
         # One coalesced all-reduce of the (local shards of the) gradients over dp after the last micro-batch:
         # DDP cannot hold DTensor parameters, and under pipeline parallel torch's DDP fails with several
         # stages per rank (bucket rebuild assert in torch 2.13); in a pipeline the reduction waits for the last
@@ -286,4 +242,4 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True) -> Paralle
             # accumulate unreduced gradients locally until the last micro-step, then reduce-scatter once
             fsdp.set_requires_gradient_sync(last)
             yield
-    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, plan, unfilled)
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled)

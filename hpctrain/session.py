@@ -1,7 +1,7 @@
 """Start and stop of every job's ranks: rendezvous, the run directory, the topology-checked mesh and its
 checked all-reduce, and rank 0's summary.json. Payloads (training, benchmarks) run inside:
 
-    with session.start(cfg, run_dir) as s:     # s.ident, s.device, s.mesh, s.run_dir, s.summary, s.preempt
+    with session.start(cfg, run_dir) as s:  # s.ident, s.device, s.plan, s.mesh, s.run_dir, s.summary, s.preempt
         s.summary["payload"] = do_work(s.mesh)
 
 s.preempt is the process's PreemptionFlag, installed before the rendezvous (the `train` command installs it even
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hpctrain import mesh, rendezvous, runs
 from hpctrain.config import Config, dump_toml
+from hpctrain.plan import Plan, make_plan
 from hpctrain.preempt import PreemptionFlag, process_flag
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class Session:
     ident: rendezvous.Identity
     device: torch.device
     run_dir: Path
+    plan: Plan | None = None  # the job's layout and topology check (hpctrain.plan), made once at start
     mesh: mesh.Mesh | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     preempt: PreemptionFlag = field(default_factory=process_flag)  # poll it at step boundaries
@@ -88,12 +90,11 @@ def _build_mesh(s: Session) -> None:
     torch.set_num_threads(threads)
     s.summary["cpu_threads_per_rank"] = threads
     node_of_rank = [i.node_index for i in idents]
-    p = s.cfg.parallel
-    layout = mesh.resolve_layout(p.pp, p.dp, p.tp, s.ident.world_size)
+    s.plan = make_plan(s.cfg, node_of_rank, training=False)  # the trainer adds its part (plan.with_training)
+    layout = s.plan.layout
     rows = mesh.rank_table(layout, node_of_rank, [i.node_name for i in idents], [i.local_rank for i in idents])
     s.summary["layout"] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
     s.summary["rank_map"] = rows
-    mesh.check_topology(layout, node_of_rank)
     if s.rank == 0:
         for line in mesh.format_rank_map(layout, rows).splitlines():
             log.info("%s", line)

@@ -28,6 +28,7 @@ from hpctrain import data, metrics, optim, parallelize, pipeline, preempt, sessi
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
 from hpctrain.config import Config, load_config, to_dict
+from hpctrain.plan import with_training
 from hpctrain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -88,12 +89,13 @@ class Trainer:
         self.cfg, self.s, self.device = cfg, s, s.device
         check_precision(cfg.train.precision, self.device)
         self.tf32 = apply_tf32(cfg.train.tf32, self.device)
-        layout = s.mesh.layout
-        self.dp_rank = s.mesh.layout.coords(s.rank)["dp"]
-        self.micro_batch, self.global_batch = parallelize.batch_plan(cfg, layout.dp)
+        self.plan = with_training(s.plan, cfg)  # the session's layout; this config's model, stages and batches
+        layout = self.plan.layout
+        self.dp_rank = s.mesh.dp_rank
+        self.micro_batch, self.global_batch = self.plan.micro_batch, self.plan.global_batch
         torch.manual_seed(cfg.train.seed)
         # weights allocated, not filled: a resume overwrites them; train_step, save and .model fill them otherwise
-        self.pm = parallelize.build(cfg, s.mesh, self.device, fill=False)
+        self.pm = parallelize.build(cfg, s.mesh, self.device, fill=False, plan=self.plan)
         self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
         self.lr = optim.effective_lr(cfg.train, self.global_batch)
         zero_group = s.mesh.group("dp") if self.pm.zero_stage == 1 else None
@@ -111,7 +113,7 @@ class Trainer:
         self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
         self.pipe = None
         if self.pm.plan is not None:
-            self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, layout.coords(s.rank)["pp"], self.pp_group,
+            self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, s.mesh.pp_rank, self.pp_group,
                                           self.device, cfg.train.grad_accum, self._pipeline_loss)
         self.flops_per_token = self.pm.dims.flops_per_token(cfg.data.seq_len)
         self.mutation = gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)  # None but in tests
@@ -256,7 +258,7 @@ class Trainer:
                 "world_size": dist.get_world_size()}
 
     def save(self, mgr: CheckpointManager, asynchronous: bool = False) -> None:
-        layout = self.s.summary.get("layout", {})
+        layout = dataclasses.asdict(self.plan.layout)  # {"pp": ., "dp": ., "tp": .}
         prov = ckpt_state.provenance(to_dict(self.cfg), layout, self.cfg.parallel.zero_stage)
         self.pm.fill()
         mgr.save(self.step, self._state(), self._extra(), prov, asynchronous=asynchronous)
@@ -421,7 +423,7 @@ class Trainer:
         """Per pp rank: mean step time (schedule only, first step excluded), compute time, and the idle share
         1 - compute / step next to the schedule's theory. Collective: every rank calls it."""
         plan, t = self.pm.plan, self.pipe.timing()
-        mine = (self.s.mesh.layout.coords(self.s.rank)["pp"], t["steps"], t["wall_s"], t["busy_s"])
+        mine = (self.s.mesh.pp_rank, t["steps"], t["wall_s"], t["busy_s"])
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         ranks = []

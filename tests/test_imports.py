@@ -27,18 +27,20 @@ LEVELS: list[list[str]] = [
     # stages, the GEMM probe, DCP planners, the checkpoint lock
     ["runs", "tokenfiles", "rendezvous", "mesh", "model", "pipeline", "bench/gemm", "checkpoint/planners",
      "checkpoint/lock"],
-    # 2: what the trainer is made of
+    # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once
+    ["plan"],
+    # 3: what the trainer is made of
     ["watchdog", "session", "parallelize", "optim", "data", "metrics", "bench/colls", "checkpoint/hdf5_storage",
      "checkpoint/state"],
-    # 3
-    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout"],
     # 4
+    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout"],
+    # 5
     ["checkpoint/manager"],
-    # 5: the jobs (what one rank runs) and the login-node readers
+    # 6: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 6: submission, on the login node (torch only when a dry run checks the model)
+    # 7: submission, on the login node (torch only when a dry run checks the model)
     ["launch"],
-    # 7: the `hpctrain` command
+    # 8: the `hpctrain` command
     ["cli"],
 ]
 

@@ -7,8 +7,8 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.model import ModelDims, Transformer
-from hpctrain.parallelize import check_training
 from hpctrain.pipeline import StagePlan, balanced_layers, prune, stage_module
+from hpctrain.plan import make_plan
 
 
 def plan(*overrides: str, n_layers: int = 8) -> StagePlan:
@@ -70,6 +70,11 @@ def test_config_refusals(overrides, fragments) -> None:
         load_config(None, overrides)
     for f in fragments:
         assert f in str(e.value), (f, str(e.value))
+
+
+def check_training(cfg, tp: int, dp: int) -> tuple[str, ...]:
+    """The plan's training checks on pp x dp x tp ranks of one node; returns its notes."""
+    return make_plan(cfg, [0] * (cfg.parallel.pp * dp * tp), training=True).notes
 
 
 @pytest.mark.parametrize("overrides,fragments", [
