@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,9 +21,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from hpctrain import data, metrics, optim, parallelize, pipeline, preempt, session
+from hpctrain import data, metrics, mutations, optim, parallelize, pipeline, preempt, session
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
 from hpctrain.config import Config, load_config, to_dict
@@ -53,31 +51,6 @@ def apply_tf32(enabled: bool, device: torch.device) -> bool:
         torch.backends.cuda.matmul.allow_tf32 = setting
         torch.backends.cudnn.allow_tf32 = setting
     return bool(setting)
-
-
-# Deliberate gradient-scale bugs for tests/test_grad_scale_mutations.py, which proves the equivalence tests see them:
-# name -> (what the layout needs for the bug to act, the bug). Never set outside tests.
-MUTATION_ENV = "HPCTRAIN_TEST_MUTATION"
-MUTATIONS = {"dp_sum": ("dp > 1", "the dp reduction sums instead of averaging"),
-             "no_accum_div": ("grad_accum > 1 and pp = 1", "the backward loss is not divided by grad_accum"),
-             "tp_double": ("tp > 1", "gradients replicated over tp are all-reduced over tp a second time")}
-
-
-def gradient_mutation(dp: int, tp: int, pp: int, grad_accum: int) -> str | None:
-    """The test mutation named by HPCTRAIN_TEST_MUTATION, or None (unset: the normal trainer). Refuses unknown names,
-    and a layout the bug would not touch (a mutation test that mutates nothing would pass for the wrong reason)."""
-    name = os.environ.get(MUTATION_ENV, "")
-    if not name:
-        return None
-    if name not in MUTATIONS:
-        raise ValueError(f"{MUTATION_ENV}={name!r} is not one of {', '.join(MUTATIONS)}")
-    acts = {"dp_sum": dp > 1, "no_accum_div": grad_accum > 1 and pp == 1, "tp_double": tp > 1}[name]
-    if not acts:
-        raise ValueError(f"{MUTATION_ENV}={name} needs {MUTATIONS[name][0]}; this layout has pp={pp} dp={dp} "
-                         f"tp={tp} grad_accum={grad_accum}")
-    log.warning("%s=%s: %s (a deliberate bug, for tests only)", MUTATION_ENV, name, MUTATIONS[name][1])
-    return name
-
 
 def host_values(row: dict[str, Any]) -> dict[str, Any]:
     """A step's row with its device scalars read into Python numbers: a host sync."""
@@ -116,7 +89,8 @@ class Trainer:
             self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, s.mesh.pp_rank, self.pp_group,
                                           self.device, cfg.train.grad_accum, self._pipeline_loss)
         self.flops_per_token = self.pm.dims.flops_per_token(cfg.data.seq_len)
-        self.mutation = gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)  # None but in tests
+        # None except in tests/test_grad_scale_mutations.py
+        self.mutation = mutations.gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)
         log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
                  "(micro %d x accum %d x dp %d), lr %.3g", self.pm.dims.num_params() / 1e6,
                  self.pm.dims.true_vocab_size, self.pm.dims.vocab_size, cfg.parallel.zero_stage,
@@ -191,7 +165,8 @@ class Trainer:
         if self.pipe is not None:
             loss_sum = self._pipeline_forward_backward(timed=sync)
         if self.mutation in ("dp_sum", "tp_double"):
-            self._mutate_reduced_grads()
+            mutations.mutate_reduced_grads(self.mutation, self.params, self.s.mesh.layout.dp,
+                                           self.s.mesh.group("tp"))
         finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
         norm = optim.grad_norm(self.params, self.pp_group) if finite else torch.full((), float("inf"))
         if t.grad_clip > 0 and finite:  # a non-finite norm only touches the gradients of a step that is skipped
@@ -208,21 +183,6 @@ class Trainer:
         row = {"step": self.step, "loss": loss_sum.double() / self.s.mesh.layout.dp, "grad_norm": norm, "lr": lr,
                "skipped": skipped, "loss_scale": self.scaler.scale}
         return host_values(row) if sync else row
-
-    def _mutate_reduced_grads(self) -> None:
-        """HPCTRAIN_TEST_MUTATION, after the real reductions: dp_sum turns the dp average into the sum (a DDP/FSDP
-        divide factor of 1); tp_double sums the gradients that tensor parallel replicates (norm weights; those not
-        sharded over tp) over tp again, as a redundant all-reduce of already complete gradients would."""
-        tp_group = self.s.mesh.group("tp")
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is None:
-                    continue
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                if self.mutation == "dp_sum":
-                    local.mul_(self.s.mesh.layout.dp)
-                elif not _sharded_over_tp(p.grad):
-                    dist.all_reduce(local, group=tp_group)
 
     def _optimizer_step(self, norm: torch.Tensor, finite: bool) -> bool | torch.Tensor:
         """torchtitan's rule: never let a non-finite gradient reach the weights. Returns whether the step was skipped.
@@ -452,14 +412,6 @@ class Trainer:
             marker.unlink()
             return True
         return False
-
-
-def _sharded_over_tp(t: torch.Tensor) -> bool:
-    """Whether a (gradient) tensor is split over the tp mesh axis; plain tensors are whole on every tp rank."""
-    if not isinstance(t, DTensor):
-        return False
-    names = t.device_mesh.mesh_dim_names or ()
-    return "tp" in names and t.placements[names.index("tp")].is_shard()
 
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ AdamW is invariant to a constant factor on the gradients, so a dp reduction that
 missing 1/grad_accum leaves losses (and nearly the weights) where they were; before the equivalence tests compared
 the pre-clip gradient norm, such a bug showed only when it changed which steps gradient clipping touched. Here one
 4-rank spawn (tp=2 x dp=2, grad_accum=2, train.grad_clip=0, 8 steps) trains the layout clean and with each
-deliberate bug of hpctrain.train.gradient_mutation (HPCTRAIN_TEST_MUTATION); tests/test_train_equivalence.py's own
+deliberate bug of hpctrain.mutations.gradient_mutation (HPCTRAIN_TEST_MUTATION); tests/test_train_equivalence.py's own
 _compare must pass the clean run and fail every mutated one on the gradient norm, while a loss-only comparison
 passes the scale bugs (the blind spot the norm check closes).
 """
@@ -17,7 +17,7 @@ import torch
 from test_train_equivalence import LOSS_TOL, NORM_RTOL, WEIGHT_TOL, _compare, _compare_losses, _spawn, norm_errors
 from train_worker import run_case
 
-from hpctrain.train import MUTATION_ENV, MUTATIONS, gradient_mutation
+from hpctrain.mutations import MUTATION_ENV, MUTATIONS, gradient_mutation
 
 CLIP_OFF = ["train.grad_clip=0"]  # nothing clipped: the losses cannot see a gradient scale
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2", "train.grad_accum=2"] + CLIP_OFF

@@ -21,8 +21,8 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
-    ["__init__", "config", "netaddr", "fsutil", "preempt", "bench/__init__", "bench/pattern", "bench/sweep",
-     "checkpoint/h5file", "checkpoint/index"],
+    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "bench/__init__", "bench/pattern",
+     "bench/sweep", "checkpoint/h5file", "checkpoint/index"],
     # 1: run directories, token files, who am I, the rank arithmetic, the single-device model and its pipeline
     # stages, the GEMM probe, DCP planners, the checkpoint lock
     ["runs", "tokenfiles", "rendezvous", "mesh", "model", "pipeline", "bench/gemm", "checkpoint/planners",

@@ -18,7 +18,8 @@ import torch
 
 from hpctrain import session
 from hpctrain.config import load_config
-from hpctrain.train import MUTATION_ENV, Trainer
+from hpctrain.mutations import MUTATION_ENV
+from hpctrain.train import Trainer
 
 TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
         "data.source=synthetic", "data.seq_len=32", "train.steps=8", "train.lr=1e-3", "train.warmup_steps=2",
@@ -114,7 +115,7 @@ def main(out: str, cases_json: str, base_port: int) -> None:
     errors = {}
     for i, case in enumerate(json.loads(cases_json)):
         os.environ["MASTER_PORT"] = str(base_port + i)
-        # a case's deliberate bug (hpctrain.train.gradient_mutation), for this case only
+        # a case's deliberate bug (hpctrain.mutations.gradient_mutation), for this case only
         os.environ.pop(MUTATION_ENV, None)
         if case.get("mutation"):
             os.environ[MUTATION_ENV] = case["mutation"]
