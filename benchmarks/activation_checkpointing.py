@@ -160,7 +160,7 @@ def report(args, cfg, dims, memory: dict, losses: dict, times: dict, threads) ->
     block_fwd = (2 * (dims.num_params(embeddings=False) - (2 * dims.n_layers + 1) * dims.dim) / dims.n_layers
                  + 4 * dims.dim * cfg.data.seq_len)
     keys = sorted(blocks, key=lambda k: int(k.split()[1]))
-    checkpointed = {"none": [], "full": keys, "every": keys[::cfg.train.ac_every]}  # parallelize.apply_ac's choice
+    checkpointed = {"none": [], "full": keys, "every": keys[::cfg.train.ac_every]}  # recompute.apply_ac's choice
     rows = {}
     for m in MODES:
         recompute = max((blocks[k] for k in checkpointed[m]), default=0)  # one block recomputed at a time

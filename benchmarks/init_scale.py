@@ -6,7 +6,7 @@ simulated on CPU: time and peak host memory of filling the rank's shards, agains
 One process joins torch's fake process group as rank R of 128 (its collectives do nothing: it only gives the
 rank's mesh coordinates, hence its shard shapes and offsets; correctness is tests/test_init_scale.py's, on real
 gloo ranks). The model is built as the trainer builds it (meta device, TP plan, checkpointing, FSDP2), then:
-  alloc+fill  parallelize.materialize: the shards allocated (to_empty) and filled tile by tile (init_weights);
+  alloc+fill  parallel.materialize.materialize: the shards allocated (to_empty) and filled tile by tile (init_weights);
   memory      the resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs just before) minus
               the resident set before: it counts the shards' pages themselves (untouched until filled) plus every
               temporary of the fill; no device here, so host memory is the whole story on CPU;
@@ -41,8 +41,8 @@ from _verdict import verdict as rule_verdict
 from _launch import write_results
 from hpctrain import mesh as mesh_mod
 from hpctrain import model as model_mod
-from hpctrain import parallelize
 from hpctrain.config import load_config
+from hpctrain.parallel import compose, materialize
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -93,17 +93,17 @@ def measure(cfg, mesh, old: bool) -> dict:
         drawn[name] = drawn.get(name, 0) + tile.numel()
         return tile
     model_mod.init_tile = counted
-    meta = parallelize.materialize
-    parallelize.materialize = lambda *a, **k: None  # build leaves the model on the meta device; timed below
+    meta = compose.materialize
+    compose.materialize = lambda *a, **k: None  # build leaves the model on the meta device; timed below
     try:
-        pm = parallelize.build(cfg, mesh, torch.device("cpu"), fill=False)
+        pm = compose.build(cfg, mesh, torch.device("cpu"), fill=False)
     finally:
-        parallelize.materialize = meta
+        compose.materialize = meta
     gc.collect()
     base = rss_kib("VmRSS")
     reset_peak()
     t0 = time.perf_counter()
-    parallelize.materialize(pm.model, pm.dims, cfg.train.seed, torch.device("cpu"), pm.parts or None, fill=not old)
+    materialize.materialize(pm.model, pm.dims, cfg.train.seed, torch.device("cpu"), pm.parts or None, fill=not old)
     if old:
         old_fill(pm.model, pm.dims, cfg.train.seed)
     seconds = time.perf_counter() - t0
@@ -111,7 +111,7 @@ def measure(cfg, mesh, old: bool) -> dict:
     model_mod.init_tile = real
     shard_bytes, storage, whole, params = 0, set(), [], 0
     for name, p in pm.model.named_parameters():
-        offset, local_shape = parallelize.shard_box(p)
+        offset, local_shape = materialize.shard_box(p)
         local = p.to_local() if hasattr(p, "to_local") else p
         shard_bytes += math.prod(local_shape) * local.element_size()
         storage.add((local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()))

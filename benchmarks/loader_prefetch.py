@@ -35,7 +35,8 @@ from _verdict import balanced, verdict
 from _launch import write_results
 from hpctrain import data, session
 from hpctrain.config import DataConfig, load_config
-from hpctrain.train import Trainer, host_values
+from hpctrain.metrics import host_values
+from hpctrain.train import Trainer
 
 TARGETS = {"device": 1.25, "cpu": 0.97}
 CPU_CASE = ["model.vocab_size=256", "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=256",

@@ -12,7 +12,7 @@ Pure data parallel (tp = 1), fp32. For each stage one Trainer step runs and each
 Bytes are those of the distinct storages behind the tensors, so FSDP padding and shared buffers count as held.
 Equation (P parameters, N = dp size), what each stage holds as hpctrain builds it: params 4P (zero 0-1, DDP and
 ZeroRedundancyOptimizer: the module's own fp32 parameters), 4P + 4P/N (zero 2: FSDP2 with
-reshard_after_forward=False, parallelize.reshard_after_forward, keeps the gathered parameters from forward to the
+reshard_after_forward=False, parallel.data.reshard_after_forward, keeps the gathered parameters from forward to the
 end of backward AND each rank's sharded fp32 copy, the one the optimizer updates; the measurement adds
 FSDPParam._sharded_param_data to the unsharded parameters) or 4P/N (zero 3); grads 4P (zero 0-1) or 4P/N
 (zero 2-3); optimizer 8P (zero 0) or 8P/N (zero 1-3). Each component and the total are compared on the rank that

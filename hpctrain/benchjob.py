@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpctrain import session
+from hpctrain import dtypes, session
 from hpctrain.bench import gemm, harness, plot, sweep
 from hpctrain.bench.colls import Ctx
 from hpctrain.config import Config
@@ -118,13 +118,13 @@ def run_collectives(s: session.Session, opts: harness.Options, json_path: str | 
     return s.summary
 
 
-def run_gemm(s: session.Session, dtypes: list[str], n: int) -> dict[str, Any]:
+def run_gemm(s: session.Session, names: list[str], n: int) -> dict[str, Any]:
     out = Printer(s)
     out(f"# GEMM probe: {n} x {n} matmul on {s.device}, per rank; the job's slowest rank is reported")
     out(f"# {'dtype':>9} {'iters':>6} {'time (s)':>9} {'TFLOP/s':>9}")
     results = {}
-    for name in dtypes:
-        dtype = harness.DTYPES[harness.ALIASES.get(name, name)]
+    for name in names:
+        dtype = dtypes.torch_dtype(name)
         r = gemm.measure_gemm(dtype, n, s.device)
         t = torch.tensor([r["tflops"]], dtype=torch.float64, device=s.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

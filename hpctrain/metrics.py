@@ -13,6 +13,7 @@ rate is reported beside it (`mfu_gemm`): no kernel reaches the datasheet figure,
 from __future__ import annotations
 
 import json
+import logging
 import re
 import resource
 import time
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from hpctrain.bench.gemm import measure_gemm
+
+log = logging.getLogger(__name__)
 
 # Dense tensor-core peaks per device in TFLOP/s (no structured sparsity), per dtype of the matmul inputs; "fp32" is
 # the plain FP32 rate (no TF32), which fp32 matmuls run at when TF32 is off. Where a datasheet gives only figures
@@ -197,3 +200,62 @@ def start_profiler(steps: list[int] | tuple[int, ...], run_dir: Path, rank: int,
         on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_dir / "profile"), worker_name=f"rank{rank}"))
     prof.start()
     return prof
+
+
+class TrainLog:
+    """What a training loop reports, fed once per step: every step's loss (device values read in one transfer on
+    log steps, so the host never waits for the device in between), and on log steps a row for metrics.jsonl and
+    TensorBoard with throughput, TFLOP/s per rank and MFU of the steps since the previous log step, plus the
+    progress line on rank 0. Also steps the profiler (train.profile_steps)."""
+
+    def __init__(self, run_dir: Path, rank: int, total_steps: int, device: torch.device, flops_per_token: float,
+                 world: int, peak: Peak, gemm: dict[str, Any], tokens_seen: int, profile_steps=()) -> None:
+        self.log_file = MetricsLog(run_dir, rank == 0, total_steps)
+        self.rank0, self.device, self.flops_per_token, self.world = rank == 0, device, flops_per_token, world
+        self.peak, self.gemm = peak, gemm
+        self.losses: list[float] = []
+        self.pending: list[Any] = []  # losses of the steps since the last log step (device tensors or floats)
+        self.last: dict[str, Any] = {}
+        self.tick, self.tokens_at_tick = time.time(), tokens_seen
+        self.profiler = start_profiler(profile_steps, run_dir, rank, device)
+
+    def step(self, row: dict[str, Any], tokens_seen: int, log_step: bool) -> None:
+        self.pending.append(row["loss"])
+        if self.profiler is not None:
+            self.profiler.step()
+        if not log_step:
+            return
+        self._read_losses()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tps = (tokens_seen - self.tokens_at_tick) / (time.time() - self.tick)
+        tflops = tps * self.flops_per_token / self.world / 1e12
+        row = host_values(row) | dict(
+            tokens_per_s=tps, tflops_per_rank=tflops, mfu=tflops / self.peak.tflops if self.peak.tflops else 0.0,
+            mfu_gemm=tflops / self.gemm["tflops"], peak_source=self.peak.source,
+            peak_mem_gb=peak_memory_bytes(self.device) / 1e9, tokens_seen=tokens_seen,
+            time_s=time.time() - self.log_file.t0)
+        self.log_file.log(row)
+        if self.rank0:
+            log.info("%s", self.log_file.progress(row))
+        self.tick, self.tokens_at_tick = time.time(), tokens_seen
+        self.last = row
+
+    def _read_losses(self) -> None:
+        tensors = [v for v in self.pending if isinstance(v, torch.Tensor)]
+        read = iter(torch.stack(tensors).tolist() if tensors else [])
+        self.losses += [next(read) if isinstance(v, torch.Tensor) else v for v in self.pending]
+        self.pending = []
+
+    def close(self) -> list[float]:
+        """Ends the profiler and the files; returns every step's loss (a preemption stops between log steps)."""
+        self._read_losses()
+        if self.profiler is not None:
+            self.profiler.stop()
+        self.log_file.close()
+        return self.losses
+
+
+def host_values(row: dict[str, Any]) -> dict[str, Any]:
+    """A step's row with its device scalars read into Python numbers: a host sync."""
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in row.items()}

@@ -1,7 +1,7 @@
 """A Llama-style decoder on one device: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention through
 scaled_dot_product_attention (FlashAttention on GPUs; K/V heads passed grouped with enable_gqa where the kernel
 reads them so), optional tied embeddings. No distributed code here:
-hpctrain.parallelize applies tensor parallel, checkpointing and sharding to this unmodified module.
+hpctrain.parallel applies tensor parallel, checkpointing and sharding to this unmodified module.
 
     model = Transformer(ModelDims.from_config(cfg.model, tp=2))   # on the meta device for big models
     model.init_buffers(); p.copy_(init_value(name, p.shape, dims, seed))  # layout-independent weights

@@ -20,7 +20,7 @@ from hpctrain import mesh
 if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.model import ModelDims
-    from hpctrain.pipeline import StagePlan
+    from hpctrain.parallel.pipeline import StagePlan
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def make_plan(cfg: Config, node_of_rank: Sequence[int], training: bool | None = 
 
 def with_training(plan: Plan, cfg: Config) -> Plan:
     """plan (its layout checked) with the model dimensions, pipeline stages and batch plan of cfg on it."""
-    from hpctrain import pipeline
     from hpctrain.model import ModelDims
+    from hpctrain.parallel import pipeline
 
     tp, dp = plan.layout.tp, plan.layout.dp
     stages = _check_supported(cfg, tp, dp)
@@ -72,7 +72,7 @@ def with_training(plan: Plan, cfg: Config) -> Plan:
 
 def _check_supported(cfg: Config, tp: int, dp: int) -> StagePlan | None:
     """Refuses what does not compose; returns the pipeline's stage plan when pp > 1."""
-    from hpctrain.pipeline import StagePlan
+    from hpctrain.parallel.pipeline import StagePlan
 
     z, pp = cfg.parallel.zero_stage, cfg.parallel.pp
     stages = None

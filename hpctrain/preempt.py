@@ -3,8 +3,8 @@ flag; the ranks agree on it at the next step boundary with one all-reduce, save,
 unless Slurm is ending it already (a user's plain scancel also sends SIGTERM: see requeue()).
 
     flag = process_flag()              # first thing in the rank: installs the handlers (replacing submitit's)
-    stop, save_now, writing = flag.poll()   # collective: every rank calls it after the same step
-    if stop: ...save, then requeue()...
+    if flag.poll(device):                # collective: every rank calls it after the same step
+        ...save, then requeue()...
 
 The flag is the process's, installed before torch is even imported (this module imports it only to poll): a
 signal during imports, rendezvous, model build or resume is kept for the trainer's first poll instead of killing
@@ -50,19 +50,17 @@ class PreemptionFlag:
                         signal.Signals(signum).name)
         self.received = signum
 
-    def poll(self, device: torch.device | None = None, save_requested: bool = False,
-             writing: bool = False) -> tuple[bool, bool, bool]:
-        """(stop, save_now, writing_anywhere), the same on every rank: stop once any rank got a signal, save
-        when any rank was asked to, and whether any rank's background save is still writing. Collective:
-        every rank calls it after the same step. device: the trainer passes the rank's, so on GPUs the flags
-        ride NCCL (no TCP round trip per step); None works too (gloo beside NCCL serves host tensors)."""
+    def poll(self, device: torch.device | None = None) -> bool:
+        """Whether any rank got a signal: the same answer on every rank. Collective (one all-reduce): every rank
+        calls it after the same step. device: the trainer passes the rank's, so on GPUs the flag rides NCCL (no
+        TCP round trip per step); None works too (gloo beside NCCL serves host tensors)."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([float(self.received is not None), float(save_requested), float(writing)], device=device)
+        t = torch.tensor([float(self.received is not None)], device=device)
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0].item() > 0), bool(t[1].item() > 0), bool(t[2].item() > 0)
+        return bool(t.item() > 0)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

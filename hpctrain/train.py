@@ -14,18 +14,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, metrics, mutations, optim, parallelize, pipeline, preempt, session
+from hpctrain import data, metrics, mutations, optim, preempt, session
 from hpctrain.checkpoint import state as ckpt_state
-from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
-from hpctrain.config import Config, load_config, to_dict
+from hpctrain.checkpoint.checkpointer import Checkpointer, Progress, Saved
+from hpctrain.config import Config, load_config
+from hpctrain.dtypes import torch_dtype
+from hpctrain.parallel import compose, pipeline
 from hpctrain.plan import with_training
 from hpctrain.watchdog import Watchdog
 
@@ -52,23 +53,20 @@ def apply_tf32(enabled: bool, device: torch.device) -> bool:
         torch.backends.cudnn.allow_tf32 = setting
     return bool(setting)
 
-def host_values(row: dict[str, Any]) -> dict[str, Any]:
-    """A step's row with its device scalars read into Python numbers: a host sync."""
-    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in row.items()}
-
-
 class Trainer:
+    """Builds one rank's training (parallel model, optimizer, schedule, loss scaler, data) from the config and the
+    session, and steps it: train_step() is one optimizer step; fit() runs the loop with checkpoints and metrics."""
+
     def __init__(self, cfg: Config, s: session.Session) -> None:
         self.cfg, self.s, self.device = cfg, s, s.device
         check_precision(cfg.train.precision, self.device)
         self.tf32 = apply_tf32(cfg.train.tf32, self.device)
         self.plan = with_training(s.plan, cfg)  # the session's layout; this config's model, stages and batches
         layout = self.plan.layout
-        self.dp_rank = s.mesh.dp_rank
         self.micro_batch, self.global_batch = self.plan.micro_batch, self.plan.global_batch
         torch.manual_seed(cfg.train.seed)
         # weights allocated, not filled: a resume overwrites them; train_step, save and .model fill them otherwise
-        self.pm = parallelize.build(cfg, s.mesh, self.device, fill=False, plan=self.plan)
+        self.pm = compose.build(cfg, s.mesh, self.device, fill=False, plan=self.plan)
         self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
         self.lr = optim.effective_lr(cfg.train, self.global_batch)
         zero_group = s.mesh.group("dp") if self.pm.zero_stage == 1 else None
@@ -76,11 +74,11 @@ class Trainer:
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
         source = data.open_source(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
-        loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, self.dp_rank, layout.dp, cfg.train.seed)
+        loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, s.mesh.dp_rank, layout.dp,
+                                  cfg.train.seed)
         self.loader = (data.PrefetchLoader(loader, cfg.train.prefetch, pin_memory=self.device.type == "cuda")
                        if cfg.train.prefetch else loader)
-        self.step = 0
-        self.tokens_seen = 0
+        self.progress = Progress()
         self.sync_steps = True  # train_step reads its metrics to the host every step; fit() only on log steps
         self.dp_group = s.mesh.group("dp")
         self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
@@ -88,7 +86,6 @@ class Trainer:
         if self.pm.plan is not None:
             self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, s.mesh.pp_rank, self.pp_group,
                                           self.device, cfg.train.grad_accum, self._pipeline_loss)
-        self.flops_per_token = self.pm.dims.flops_per_token(cfg.data.seq_len)
         # None except in tests/test_grad_scale_mutations.py
         self.mutation = mutations.gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)
         log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
@@ -98,40 +95,55 @@ class Trainer:
                  layout.dp, self.lr)
 
     @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
+
+    @property
     def model(self) -> torch.nn.Module:
         """The parallel model, its weights filled from the seeded init on first use unless a checkpoint filled them."""
         self.pm.fill()
         return self.pm.model
 
+    # -- one step -----------------------------------------------------------------------------------------------
+    def _context(self, last_micro_step: bool, autocast: bool = False) -> contextlib.ExitStack:
+        """Around a forward and backward: the gradient sync of the last micro-step, loss parallel (its backward
+        must run inside it too), and with `autocast` autocast for layouts without FSDP's mixed precision."""
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(self.pm.sync(last_micro_step))
+        if self.pm.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            ctx.enter_context(loss_parallel())
+        if autocast:
+            ctx.enter_context(self._autocast())
+        return ctx
+
     def _autocast(self):
         dt = self.pm.autocast_dtype
         return torch.autocast(self.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
-
-    def _loss_ctx(self):
-        if self.pm.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            return loss_parallel()  # backward of the sharded cross-entropy must run inside it too
-        return contextlib.nullcontext()
 
     def _pipeline_loss(self, logits, y: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch; the schedule averages gradients over micro-batches."""
         return self.scaler.scale_loss(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
 
-    def _pipeline_forward_backward(self, timed: bool) -> torch.Tensor:
-        """All grad_accum micro-batches through the pipeline; returns the mean loss on every pp rank. Timing the
-        schedule (for the bubble) synchronises the pp group and the device: `timed` on log steps only."""
+    def _forward_backward(self) -> torch.Tensor:
+        """grad_accum micro-batches through the (unpipelined) model; returns their mean loss. Gradients are reduced
+        across dp only after the last micro-batch (nanoGPT's no_sync trick)."""
         accum = self.cfg.train.grad_accum
-        batches = [self.loader.next_batch() for _ in range(accum)]  # every stage reads: same position
-        # copied part by part: a concatenation on the host would leave the loader's pinned memory
-        x, y = (torch.cat([b.to(self.device, non_blocking=True) for b in parts]) for parts in zip(*batches))
-        loss = torch.zeros((), device=self.device)
-        with self.pm.sync(True), self._loss_ctx(), self._autocast():
-            losses = self.pipe.step(x, y, timed=timed)
-        if losses is not None:
-            total = sum((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float() for t in losses)
-            loss = total / (accum * self.scaler.scale)
-        dist.all_reduce(loss, group=self.pp_group)  # only the last stage's ranks add a non-zero loss
-        return loss
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(accum):
+            x, y = (b.to(self.device, non_blocking=True) for b in self.loader.next_batch())
+            with self._context(k == accum - 1):
+                with self._autocast():
+                    logits = self.model(x)
+                mean = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                loss = mean / accum
+                self.scaler.scale_loss(mean if self.mutation == "no_accum_div" else loss).backward()
+            loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+        return loss_sum
 
     def log_step(self, step: int) -> bool:
         """Whether `step` is logged: every train.log_every steps, the first and the last."""
@@ -141,29 +153,21 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns this step's metrics (dp-averaged loss).
 
         Without sync nothing here waits for the device, so the host runs ahead: "loss" (float64, the dp mean)
-        and "grad_norm" stay device tensors (host_values reads them), and the pipeline's step is not timed. The
-        one exception is the non-finite check when the optimizer cannot skip on the device (_optimizer_step).
-        By default a step syncs when sync_steps is set (callers that step by hand get host values) or when it is
-        a log step: fit() clears sync_steps for its loop."""
+        and "grad_norm" stay device tensors (metrics.host_values reads them), and the pipeline's step is not
+        timed. The one exception is the non-finite check when the optimizer cannot skip on the device
+        (_optimizer_step). By default a step syncs when sync_steps is set (callers that step by hand get host
+        values) or when it is a log step: fit() clears sync_steps for its loop."""
         t = self.cfg.train
         if sync is None:
             sync = self.sync_steps or self.log_step(self.step + 1)
-        accum = t.grad_accum
         self.pm.fill()  # never train on unfilled memory (the pipeline's stages do not go through self.model)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for k in range(accum if self.pipe is None else 0):
-            x, y = (b.to(self.device, non_blocking=True) for b in self.loader.next_batch())
-            # gradients are reduced across dp only after the last micro-batch (nanoGPT's no_sync trick)
-            with self.pm.sync(k == accum - 1), self._loss_ctx():
-                with self._autocast():
-                    logits = self.model(x)
-                mean = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                loss = mean / accum
-                self.scaler.scale_loss(mean if self.mutation == "no_accum_div" else loss).backward()
-            loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
-        if self.pipe is not None:
-            loss_sum = self._pipeline_forward_backward(timed=sync)
+        if self.pipe is None:
+            loss_sum = self._forward_backward()
+        else:
+            batches = [self.loader.next_batch() for _ in range(t.grad_accum)]  # every stage reads: same position
+            loss_sum = self.pipe.forward_backward(batches, self._context(True, autocast=True), self.scaler.scale,
+                                                  timed=sync)
         if self.mutation in ("dp_sum", "tp_double"):
             mutations.mutate_reduced_grads(self.mutation, self.params, self.s.mesh.layout.dp,
                                            self.s.mesh.group("tp"))
@@ -176,13 +180,13 @@ class Trainer:
             self.scaler.update(not skipped)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        self.step += 1
-        self.tokens_seen += self.global_batch * self.cfg.data.seq_len
+        self.progress.step += 1
+        self.progress.tokens_seen += self.global_batch * self.cfg.data.seq_len
         dist.all_reduce(loss_sum, group=self.dp_group)  # on the device: no host sync
         # in float64, read or not: the same number as loss_sum.item() / dp
         row = {"step": self.step, "loss": loss_sum.double() / self.s.mesh.layout.dp, "grad_norm": norm, "lr": lr,
                "skipped": skipped, "loss_scale": self.scaler.scale}
-        return host_values(row) if sync else row
+        return metrics.host_values(row) if sync else row
 
     def _optimizer_step(self, norm: torch.Tensor, finite: bool) -> bool | torch.Tensor:
         """torchtitan's rule: never let a non-finite gradient reach the weights. Returns whether the step was skipped.
@@ -202,216 +206,79 @@ class Trainer:
             self.optimizer.step()
         return skipped
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
-    def _state(self, saved_world: int | None = None) -> dict[str, Any]:
-        world = dist.get_world_size()
-        rng = ckpt_state.rng_table(world) if saved_world is None else torch.zeros(
-            saved_world, torch.get_rng_state().numel(), dtype=torch.uint8)
-        model = self.pm.model  # not self.model: a resume loads into the unfilled weights
-        optimizer = (ckpt_state.ZeroOneOptimizerState(model, self.optimizer) if self.pm.zero_stage == 1
-                     else ckpt_state.OptimizerState(model, self.optimizer))
-        return {"model": ckpt_state.ModelState(model), "optimizer": optimizer, "rng": rng}
-
-    def _extra(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "data": self.loader.state_dict(),
-                "world_size": dist.get_world_size()}
-
-    def save(self, mgr: CheckpointManager, asynchronous: bool = False) -> None:
-        layout = dataclasses.asdict(self.plan.layout)  # {"pp": ., "dp": ., "tp": .}
-        prov = ckpt_state.provenance(to_dict(self.cfg), layout, self.cfg.parallel.zero_stage)
-        self.pm.fill()
-        mgr.save(self.step, self._state(), self._extra(), prov, asynchronous=asynchronous)
-
-    def resume(self, mgr: CheckpointManager) -> int | None:
-        """train.resume: 'auto' takes the newest committed checkpoint of this run; a path names one checkpoint
-        (step_NNNNNNNN), or a checkpoints directory or another run's directory, whose newest committed one is
-        taken (e.g. after a crash, in a new job)."""
-        r = self.cfg.train.resume
-        if r == "none":
-            if committed(mgr.root):  # a fresh start here would overwrite and prune them: never silently
-                raise ValueError(f"train.resume = 'none' but {mgr.root} holds committed checkpoints (steps "
-                                 f"{', '.join(str(s) for s, _ in committed(mgr.root))}); resume from them "
-                                 f"(train.resume = 'auto'), or give the fresh run another checkpoint.dir")
-            return None
-
-        def make(extra: dict) -> dict:  # checked before anything is loaded: a bad train state is a corrupt one
-            ckpt_state.check_train_state(extra, self._extra())
-            return self._state(saved_world=extra["world_size"])
-        source = mgr
-        if r != "auto" and (Path(r) / MARKER).is_file():
-            extra, state = mgr.load(Path(r), make)
-            step = extra["step"]
-        else:
-            if r != "auto":
-                root = Path(r) / "checkpoints" if (Path(r) / "checkpoints").is_dir() else Path(r)
-                if not committed(root):
-                    raise ValueError(f"train.resume = {r!r}: no committed checkpoint there")
-                source = CheckpointManager(dataclasses.replace(self.cfg.checkpoint, dir=str(root)),
-                                           self.s.run_dir, self.s.rank, writer=False)
-            found = source.load_latest(make)
-            if found is None:
-                if r != "auto":
-                    raise ValueError(f"train.resume = {r!r}: no checkpoint there loads cleanly")
-                return None
-            step, extra, state = found
-        self.pm.loaded()  # every parameter came from the checkpoint: no seeded init
-        self.step, self.tokens_seen = extra["step"], extra["tokens_seen"]
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.scaler.load_state_dict(extra["scaler"])
-        self.loader.load_state_dict(extra["data"])
-        same_rng = ckpt_state.restore_rng(state["rng"], self.s.rank)
-        log.info("resumed from step %d (%s world %d -> %d%s)", step, source.root, extra["world_size"],
-                 dist.get_world_size(), "" if same_rng else "; RNG of new ranks left as seeded")
-        return step
+    # -- the loop -------------------------------------------------------------------------------------------
+    def checkpointer(self) -> Checkpointer:
+        """This run's checkpointer over everything a checkpoint holds (collective: takes the directory lock)."""
+        optimizer = (ckpt_state.ZeroOneOptimizerState if self.pm.zero_stage == 1 else ckpt_state.OptimizerState)(
+            self.pm.model, self.optimizer)  # pm.model, not .model: a resume loads into the unfilled weights
+        saved = Saved(self.pm.model, optimizer, self.progress,
+                      {"scheduler": self.scheduler, "scaler": self.scaler, "data": self.loader},
+                      fill=self.pm.fill, loaded=self.pm.loaded)
+        return Checkpointer(self.cfg, dataclasses.asdict(self.plan.layout), self.s.run_dir, self.s.rank,
+                            self.device, saved)
 
     def mfu_peak(self) -> tuple[metrics.Peak, dict[str, Any]]:
         """The peak MFU is against (metrics.choose_peak) and the GEMM probe's measured rate, reported beside it."""
         t = self.cfg.train
-        gemm = metrics.gemm_probe(self.device, parallelize.DTYPES[t.precision])
+        gemm = metrics.gemm_probe(self.device, torch_dtype(t.precision))
         name = metrics.device_name(self.device)
         peak = metrics.choose_peak(name, metrics.matmul_dtype(t.precision, self.tf32), t.peak_tflops, gemm)
         log.info("MFU against %.1f TFLOP/s per rank (%s); measured %s GEMM %d^3 on %s: %.1f TFLOP/s", peak.tflops,
                  peak.source, gemm["dtype"], gemm["n"], name or "CPU", gemm["tflops"])
         return peak, gemm
 
-    def fit(self) -> dict[str, Any]:
-        t = self.cfg.train
-        mlog = metrics.MetricsLog(self.s.run_dir, self.s.rank == 0, t.steps)
-        mgr = CheckpointManager(self.cfg.checkpoint, self.s.run_dir, self.s.rank)
-        self.dog = None
+    def fit(self, on_step: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+        """Trains from where train.resume says to train.steps, checkpointing per the checkpoint config; a
+        preemption (any rank's signal) ends it early with a committed checkpoint and a requeue. Returns the
+        run's summary. Waits for its own saves. on_step(row) sees every step's row as train_step returns it
+        (device values except on log steps), before the step's checkpoint decision."""
+        dog = None
         try:
-            return self._fit(mgr, mlog)  # waits for its own saves
+            with self.checkpointer() as ckpt:
+                resumed = ckpt.load()
+                self.pm.fill()  # nothing loaded: the seeded init, before the peak memory is reset
+                peak, gemm = self.mfu_peak()
+                memory = metrics.reset_peak_memory(self.device)  # initialisation is over: training's peak from here
+                tlog = metrics.TrainLog(self.s.run_dir, self.s.rank, self.cfg.train.steps, self.device,
+                                        self.pm.dims.flops_per_token(self.cfg.data.seq_len), dist.get_world_size(),
+                                        peak, gemm, self.tokens_seen, self.cfg.train.profile_steps)
+                # the flag was installed at process start: a signal during start-up or the resume stops here
+                preempted = self.s.preempt.poll(self.device)
+                self.sync_steps = False  # the host reads the device on log steps only
+                dog = Watchdog(self.cfg.parallel.timeout_s + 60)  # a hang no collective timeout ends, ends the job
+                while self.step < self.cfg.train.steps and not preempted:
+                    row = self.train_step()
+                    tlog.step(row, self.tokens_seen, self.log_step(self.step))
+                    if on_step is not None:
+                        on_step(row)
+                    preempted = self.s.preempt.poll(self.device)
+                    dog.beat()
+                    ckpt.maybe_save(self.step, force=preempted)
+                    dog.beat()
+                dog.stop()  # the final save's collectives have their own timeout, and it may take long
+                losses = tlog.close()
+                if not preempted:
+                    ckpt.maybe_save(self.step, final=True)
         finally:
-            if self.dog is not None:
-                self.dog.stop()
-            mgr.close()  # the directory lock
+            if dog is not None:
+                dog.stop()
             self.loader.close()  # the read-ahead thread; it rewinds to the consumed batches, so stepping on is fine
             self.sync_steps = True
+        return self._summary(resumed, preempted, losses, tlog.last, peak, gemm, memory)
 
-    def _fit(self, mgr: CheckpointManager, mlog: metrics.MetricsLog) -> dict[str, Any]:
-        t = self.cfg.train
-        rank0 = self.s.rank == 0
-        world = dist.get_world_size()
-        flag = self.s.preempt  # installed at process start, so a signal during start-up or the resume is kept
-        resumed = self.resume(mgr)
-        self.pm.fill()  # nothing loaded: the seeded init, before the peak memory is reset
-        peak, gemm = self.mfu_peak()
-        memory = metrics.reset_peak_memory(self.device)  # initialisation is over: the peak from here is training's
-        profiler = metrics.start_profiler(self.cfg.train.profile_steps, self.s.run_dir, self.s.rank, self.device)
-        last: dict[str, Any] = {}
-        losses: list[float] = []
-        pending: list[torch.Tensor] = []  # device losses of the steps since the last log step
-        steps_run = 0
-        tick, tokens_at_tick = time.time(), self.tokens_seen
-        every = self.cfg.checkpoint.every_steps
-        # a signal during start-up or the resume: stop before training; what was resumed is already on disk
-        preempted = flag.poll(self.device)[0]
-        self.sync_steps = False  # the host reads the device on log steps only
-        self.dog = Watchdog(self.cfg.parallel.timeout_s + 60)  # a hang no collective timeout ends ends the job
-        while self.step < t.steps and not preempted:
-            row = self.train_step()
-            self.dog.beat()
-            log_step = self.log_step(self.step)
-            pending.append(row["loss"])
-            if log_step:
-                losses += self._read_losses(pending)
-                pending = []
-            steps_run += 1
-            if self.pipe is not None and steps_run == 1:
-                self.pipe.timing()  # the first step infers shapes across stages: not part of the bubble
-            if profiler is not None:
-                profiler.step()
-            stop, save_now, writing = flag.poll(self.device, self._save_requested(), mgr.unfinished())
-            if mgr.pending is not None and not writing:
-                mgr.wait()  # every rank's background write is done: commit now, not at the next save
-            if stop:
-                mgr.wait()
-                self.save(mgr)
-                preempted = True
-                break
-            if (every and self.step % every == 0 and self.step < t.steps) or save_now:
-                try:
-                    self.save(mgr, asynchronous=self.cfg.checkpoint.async_save)
-                except NoSpace as e:  # a periodic save may wait for space; the final and preemption ones may not
-                    log.warning("periodic checkpoint skipped: %s", e)
-                self.dog.beat()
-            if log_step:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                dt = time.time() - tick
-                tps = (self.tokens_seen - tokens_at_tick) / dt
-                tflops = tps * self.flops_per_token / world / 1e12
-                row.update(tokens_per_s=tps, tflops_per_rank=tflops,
-                           mfu=tflops / peak.tflops if peak.tflops else 0.0, mfu_gemm=tflops / gemm["tflops"],
-                           peak_source=peak.source, peak_mem_gb=metrics.peak_memory_bytes(self.device) / 1e9,
-                           tokens_seen=self.tokens_seen, time_s=time.time() - mlog.t0)
-                mlog.log(row)
-                if rank0:
-                    log.info("%s", mlog.progress(row))
-                tick, tokens_at_tick = time.time(), self.tokens_seen
-                last = row
-        self.dog.stop()  # the final save's collectives have their own timeout, and it may take long
-        losses += self._read_losses(pending)  # a preemption stops between log steps
-        if profiler is not None:
-            profiler.stop()
-        mgr.wait()
-        if not preempted and self.cfg.checkpoint.at_end and self.step > (resumed or 0):
-            self.save(mgr)
-        mlog.close()
+    def _summary(self, resumed, preempted, losses, last, peak, gemm, memory) -> dict[str, Any]:
         out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
                "peak_tflops": peak.tflops, "peak_source": peak.source, "gemm": gemm, "tf32": self.tf32,
                "memory": memory, "tokens_seen": self.tokens_seen, "resumed_from": resumed, "preempted": preempted,
                "losses": losses}
         if self.pipe is not None:
-            out["pipeline"] = self.pipeline_summary()
-            if rank0:
+            out["pipeline"] = self.pipe.summary(self.cfg.train.grad_accum)
+            if self.s.rank == 0:
                 log.info("pipeline %s", out["pipeline"]["line"])
         if preempted and self.s.rank == 0:
             out["requeue"] = preempt.requeue()
             log.info("preempted at step %d: checkpoint committed, %s", self.step, out["requeue"])
         return out
-
-    @staticmethod
-    def _read_losses(values: list) -> list[float]:
-        """Per-step losses as floats: device tensors read in one transfer, floats (a synced step's) kept."""
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        read = iter(torch.stack(tensors).tolist() if tensors else [])
-        return [next(read) if isinstance(v, torch.Tensor) else v for v in values]
-
-    def pipeline_summary(self) -> dict[str, Any]:
-        """Per pp rank: mean step time (schedule only, first step excluded), compute time, and the idle share
-        1 - compute / step next to the schedule's theory. Collective: every rank calls it."""
-        plan, t = self.pm.plan, self.pipe.timing()
-        mine = (self.s.mesh.pp_rank, t["steps"], t["wall_s"], t["busy_s"])
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        ranks = []
-        for r in range(plan.pp):
-            rows = [e for e in every if e[0] == r and e[1] > 0]  # averaged over the rank's dp and tp peers
-            steps = sum(e[1] for e in rows)
-            wall, busy = (sum(e[2] for e in rows) / steps, sum(e[3] for e in rows) / steps) if steps else (0, 0)
-            ranks.append({"pp_rank": r, "stages": plan.stages_of(r), "blocks": plan.blocks_of(r), "step_s": wall,
-                          "compute_s": busy, "idle_fraction": 1 - busy / wall if wall else None})
-        idle = [x["idle_fraction"] for x in ranks if x["idle_fraction"] is not None]
-        m = self.cfg.train.grad_accum
-        theory = plan.bubble_theory(m)
-        out = {"schedule": plan.schedule, "pp": plan.pp, "virtual_stages": plan.virtual, "microbatches": m,
-               "stage_layers": [list(x) for x in plan.layers], "bubble_theory": theory,
-               "idle_fraction_mean": sum(idle) / len(idle) if idle else None, "per_pp_rank": ranks}
-        out["line"] = (f"{plan.schedule} p={plan.pp} v={plan.virtual} m={m}: idle "
-                       + ", ".join(f"rank {x['pp_rank']} {x['idle_fraction']:.3f} of {x['step_s'] * 1e3:.1f} ms"
-                                   for x in ranks if x["idle_fraction"] is not None)
-                       + (f" (theory {theory:.3f})" if theory is not None else ""))
-        return out
-
-    def _save_requested(self) -> bool:
-        """On demand: `touch <run dir>/SAVE_NOW`; rank 0 looks (PreemptionFlag.poll tells everyone)."""
-        marker = self.s.run_dir / "SAVE_NOW"
-        if self.s.rank == 0 and marker.exists():
-            marker.unlink()
-            return True
-        return False
 
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:

@@ -19,14 +19,12 @@ from typing import Any, Callable
 
 import torch
 
+from hpctrain import dtypes
 from hpctrain.bench.colls import COLLS, Coll, Ctx
 from hpctrain.bench.pattern import Pattern, sentinel
 from hpctrain.bench.sweep import Row, bandwidths
 
-DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
-          "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
-ALIASES = {"float32": "float", "fp32": "float", "float64": "double", "fp64": "double", "float16": "half",
-           "fp16": "half", "bf16": "bfloat16", "int": "int32", "long": "int64"}
+DTYPES = dtypes.TORCH  # -d names (nccl-tests' spelling); dtypes.canonical maps the others
 MPI_DTYPES = ("float", "double", "int32", "int64", "int8", "uint8")
 GROUPS = ("world", "pp", "dp", "tp", "intra", "inter")
 
@@ -49,7 +47,7 @@ class Options:
     placements: tuple[str, ...] = field(default=("out", "in"))
 
     def __post_init__(self) -> None:
-        self.dtype = ALIASES.get(self.dtype, self.dtype)
+        self.dtype = dtypes.canonical(self.dtype)
         unknown = [c for c in self.colls if c not in COLLS]
         if unknown:
             raise ValueError(f"unknown collective(s) {', '.join(unknown)}; valid: {', '.join(COLLS)}, all")

@@ -9,7 +9,6 @@ import os
 import platform
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +114,10 @@ def git_commit() -> str:
         return "unknown"
 
 
-def provenance(config: dict, layout: dict, zero_stage: int) -> dict[str, Any]:
-    """Where a checkpoint came from: enough to reproduce or audit it."""
+def provenance(config: dict, layout: dict, zero_stage: int, rank: int = 0) -> dict[str, Any]:
+    """Where a run's checkpoints come from: enough to reproduce or audit them. Made once per run (collective: the
+    hosts are gathered from every rank); the git commit is read on rank 0 only, which writes the markers. Each
+    save adds its "saved_at"."""
     hosts: list[Any] = [socket.gethostname()]
     if dist.is_initialized():
         every: list[Any] = [None] * dist.get_world_size()
@@ -125,9 +126,8 @@ def provenance(config: dict, layout: dict, zero_stage: int) -> dict[str, Any]:
     return {
         "config": config, "layout": layout | {"zero_stage": zero_stage},
         "world_size": dist.get_world_size() if dist.is_initialized() else 1, "hosts": hosts,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "git_commit": git_commit(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "git_commit": git_commit() if rank == 0 else "",
         "torch": torch.__version__, "python": platform.python_version(),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 

@@ -6,7 +6,8 @@ checkpoints reshard across pp sizes), the schedule, and per-rank compute timing 
     prune(model, plan, pp_rank)                                     # the rank keeps only its blocks
     parts = [stage_module(model, plan, s) for s in plan.stages_of(pp_rank)]
     pipe = Pipeline(plan, parts, pp_rank, pp_group, device, microbatches, loss_fn)
-    losses = pipe.step(x, y)                                        # per-micro-batch losses on the last stage
+    loss = pipe.forward_backward(batches, context, loss_scale)      # one step's mean loss, on every pp rank
+    pipe.summary(grad_accum)                                        # idle share per pp rank (collective)
 
 Stage s holds plan.layers[s] (global block indices); stage 0 also the embedding, the last stage the final norm
 and the output projection. Stages go to pp ranks round robin (s % pp: rank r runs r, r + pp, ...), or in a V
@@ -162,7 +163,7 @@ def stage_module(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
 
 # -- running --------------------------------------------------------------------------------------------------------
 
-def _timed_stage_class():
+def timed_stage_class():
     from torch.distributed.pipelining import PipelineStage
 
     class TimedStage(PipelineStage):
@@ -215,14 +216,15 @@ class Pipeline:
     backward over `microbatches` equal slices of the batch (gradients averaged over them); it returns the
     per-micro-batch losses on the rank that runs the last stage, None elsewhere. `timing()` gives the compute
     and wall seconds of the timed steps since the last call; `step(x, y, timed=False)` leaves a step out of it and
-    does without the barriers and device synchronisation that timing takes."""
+    does without the barriers and device synchronisation that timing takes. The first step is never timed: it
+    infers the activation shapes across stages."""
 
     def __init__(self, plan: StagePlan, parts: list[nn.Module], pp_rank: int, group, device: torch.device,
                  microbatches: int, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
         import torch.distributed.pipelining as pipelining
         plan.check_microbatches(microbatches)
-        timed = _timed_stage_class()
-        self.plan, self.device, self.group = plan, device, group
+        timed = timed_stage_class()
+        self.plan, self.device, self.group, self.pp_rank = plan, device, group, pp_rank
         self.stage_ids = plan.stages_of(pp_rank)
         self.stages = [timed(part, s, plan.num_stages, device, group=group)
                        for part, s in zip(parts, self.stage_ids)]
@@ -233,12 +235,14 @@ class Pipeline:
         self.first, self.last = 0 in self.stage_ids, plan.last in self.stage_ids
         self.busy_s = self.wall_s = 0.0
         self.steps = 0
+        self.shapes_known = False  # the first step infers shapes across stages: never timed (not the bubble)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, timed: bool = True) -> list[torch.Tensor] | None:
         import torch.distributed as dist
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        timed, self.shapes_known = timed and self.shapes_known, True
         for st in self.stages:
             st.timing = timed
         if not timed:
@@ -257,6 +261,51 @@ class Pipeline:
         self.busy_s += sum(st.take_busy() for st in self.stages)
         self.steps += 1
         return losses if self.last else None
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], context, loss_scale: float,
+                         timed: bool = False) -> torch.Tensor:
+        """One step's forward and backward: the (x, y) micro-batches (every stage reads them, so every rank's
+        loader stays at the same position) through the schedule under `context` (gradient sync, loss parallel,
+        autocast); returns the mean unscaled loss on every pp rank. Timing the schedule (for the bubble)
+        synchronises the pp group and the device: `timed` on log steps only."""
+        import torch.distributed as dist
+        # copied part by part: a concatenation on the host would leave the loader's pinned memory
+        x, y = (torch.cat([b.to(self.device, non_blocking=True) for b in parts]) for parts in zip(*batches))
+        loss = torch.zeros((), device=self.device)
+        with context:
+            losses = self.step(x, y, timed=timed)
+        if losses is not None:
+            total = sum((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float() for t in losses)
+            loss = total / (len(batches) * loss_scale)
+        dist.all_reduce(loss, group=self.group)  # only the last stage's ranks add a non-zero loss
+        return loss
+
+    def summary(self, microbatches: int) -> dict[str, Any]:
+        """Per pp rank: mean step time (schedule only, the timed steps since the last timing() call), compute time,
+        and the idle share 1 - compute / step next to the schedule's theory, with a one-line digest ("line").
+        Collective over the whole world: every rank calls it."""
+        import torch.distributed as dist
+        plan, t = self.plan, self.timing()
+        mine = (self.pp_rank, t["steps"], t["wall_s"], t["busy_s"])
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        ranks = []
+        for r in range(plan.pp):
+            rows = [e for e in every if e[0] == r and e[1] > 0]  # averaged over the rank's dp and tp peers
+            steps = sum(e[1] for e in rows)
+            wall, busy = (sum(e[2] for e in rows) / steps, sum(e[3] for e in rows) / steps) if steps else (0, 0)
+            ranks.append({"pp_rank": r, "stages": plan.stages_of(r), "blocks": plan.blocks_of(r), "step_s": wall,
+                          "compute_s": busy, "idle_fraction": 1 - busy / wall if wall else None})
+        idle = [x["idle_fraction"] for x in ranks if x["idle_fraction"] is not None]
+        theory = plan.bubble_theory(microbatches)
+        out = {"schedule": plan.schedule, "pp": plan.pp, "virtual_stages": plan.virtual, "microbatches": microbatches,
+               "stage_layers": [list(x) for x in plan.layers], "bubble_theory": theory,
+               "idle_fraction_mean": sum(idle) / len(idle) if idle else None, "per_pp_rank": ranks}
+        out["line"] = (f"{plan.schedule} p={plan.pp} v={plan.virtual} m={microbatches}: idle "
+                       + ", ".join(f"rank {x['pp_rank']} {x['idle_fraction']:.3f} of {x['step_s'] * 1e3:.1f} ms"
+                                   for x in ranks if x["idle_fraction"] is not None)
+                       + (f" (theory {theory:.3f})" if theory is not None else ""))
+        return out
 
     def timing(self) -> dict[str, float]:
         """{'steps', 'wall_s', 'busy_s'} accumulated since the last call, then reset."""

@@ -1,0 +1,86 @@
+"""Turns the single-device Transformer into the job's parallel model, one parallelism at a time in a fixed order
+(torchtitan's), on the meta device first so no rank ever holds more than its shard:
+
+    1. pipeline  (parallel/pipeline.py)    the rank keeps only its stages' blocks
+    2. tensor    (parallel/tensor.py)      DTensor tp over the node-local mesh
+    3. recompute (parallel/recompute.py)   activation checkpointing of blocks
+    4. data      (parallel/data.py)        FSDP2 for ZeRO-2/3
+    5. materialise (parallel/materialize.py)  each rank allocates and fills only its shards (tiled seeded init)
+    6. data      (parallel/data.py)        how gradients meet across dp: DDP, a coalesced all-reduce or FSDP's
+
+    pm = build(cfg, mesh, device)        # pm.model, pm.dims, pm.sync(last_micro_step), pm.loss_parallel
+
+fill=False leaves the weights allocated but unfilled (a resume overwrites them): pm.fill() fills them, pm.loaded()
+says a checkpoint did. With pp > 1, pm.parts are the stage modules the schedule runs and pm.plan says which stages
+this rank runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hpctrain.config import Config
+from hpctrain.dtypes import torch_dtype
+from hpctrain.mesh import Layout
+from hpctrain.model import ModelDims, Transformer
+from hpctrain.parallel import data, pipeline, recompute, tensor
+from hpctrain.parallel.materialize import materialize
+from hpctrain.plan import Plan, with_training
+
+
+@dataclass
+class ParallelModel:
+    model: nn.Module
+    dims: ModelDims
+    loss_parallel: bool  # logits stay vocab-sharded; cross-entropy runs under torch's loss_parallel()
+    sync: data.Sync  # sync(is_last_micro_step) -> context manager around forward+backward
+    autocast_dtype: torch.dtype | None  # autocast for layouts without FSDP's mixed precision
+    zero_stage: int
+    parts: list[nn.Module] = field(default_factory=list)  # stage modules this rank runs (pp > 1)
+    plan: pipeline.StagePlan | None = None
+    # fills the weights from the seeded init; None once filled, or when a checkpoint has filled them
+    unfilled: Callable[[], None] | None = None
+
+    def fill(self) -> bool:
+        """Fills the weights from the seeded init unless done (or loaded) already; True if it filled now."""
+        fill, self.unfilled = self.unfilled, None
+        if fill is not None:
+            fill()
+        return fill is not None
+
+    def loaded(self) -> None:
+        """A checkpoint has written every parameter: the seeded init is not needed."""
+        self.unfilled = None
+
+
+def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan | None = None) -> ParallelModel:
+    """mesh: hpctrain.mesh.Mesh (or None for one process); plan: the trainer's plan (hpctrain.plan, with its
+    training part), made here on the mesh's layout when not given."""
+    if plan is None:
+        bare = Plan(mesh.layout, tuple(mesh.node_of_rank)) if mesh else Plan(Layout(1, 1, 1), (0,))
+        plan = with_training(bare, cfg)
+    tp, dp, stages, dims = plan.layout.tp, plan.layout.dp, plan.stages, plan.dims
+    assert dims is not None
+    zero = cfg.parallel.zero_stage if dp > 1 else -1  # -1: no data parallel wrapping
+    loss_parallel = tp > 1 and cfg.parallel.loss_parallel
+    low = torch_dtype(cfg.train.precision) if cfg.train.precision != "fp32" else None
+    with torch.device("meta"):
+        model = Transformer(dims)
+    pp_rank = mesh.pp_rank if stages else 0
+    if stages:
+        pipeline.prune(model, stages, pp_rank)
+    if tp > 1:
+        tensor.apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel)
+    recompute.apply_ac(model, cfg.train.ac, cfg.train.ac_every)
+    parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
+    if zero in (2, 3):
+        data.apply_fsdp(model, mesh.device_mesh["dp"], zero, low, torch_dtype(cfg.train.reduce_dtype), parts or None,
+                        stages.pp if stages else 1)
+    unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill)
+    model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
+                                     compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16")
+    autocast = None if zero in (2, 3) else low  # FSDP casts parameters itself; master weights stay fp32 in shards
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled)

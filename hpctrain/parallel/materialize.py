@@ -1,0 +1,48 @@
+"""From the meta device to real memory: each rank allocates only its shards and fills them from the tiled seeded
+init (hpctrain.model.init_slice), so every layout starts from the same full weights."""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hpctrain.model import ModelDims, clean_name, init_slice
+
+
+def shard_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of this rank's piece of a parameter: a DTensor's local shard (FSDP's uneven
+    dim-0 chunks, tensor parallel's Shard(0)/Shard(1), both on a 2-D mesh), or the whole of a plain tensor."""
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return tuple(offset), tuple(local_shape)
+    return (0,) * p.ndim, tuple(p.shape)
+
+
+def init_weights(model: nn.Module, dims: ModelDims, seed: int) -> None:
+    """Fills each parameter's local shard with its slice of the layout-independent init: every rank draws only the
+    tiles its shards touch (no full tensor of a sharded parameter) and writes them on the parameter's device."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            offset, shape = shard_box(p)
+            assert tuple(local.shape) == shape, (name, tuple(local.shape), shape)
+            init_slice(clean_name(name), p.shape, dims, seed, offset, shape, out=local)
+
+
+def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device,
+                parts: list[nn.Module] | None = None, fill: bool = True) -> Callable[[], None] | None:
+    """Allocates the (sharded) parameters on `device` and fills them (init_weights), or with fill=False leaves them
+    unfilled and returns the function that fills them (a resume overwrites them anyway). With pipeline stages,
+    each stage module (an FSDP root) allocates what it holds; together they cover the model."""
+    for part in parts or [model]:
+        part.to_empty(device=device)
+    for m in [model, *(parts or [])]:
+        m.init_buffers(device)
+    if fill:
+        init_weights(model, dims, seed)
+        return None
+    return functools.partial(init_weights, model, dims, seed)
