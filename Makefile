@@ -5,6 +5,8 @@ VENV_FLAGS ?=
 BIN := $(VENV)/bin
 CONFIG ?= slurm/examples/tiny-cpu.toml
 ARGS ?=
+# the tests to run: every tier by default; one tier with TESTS=tests/pure (or tests/multiproc, tests/cluster)
+TESTS ?= tests
 # torch is pinned to the local CPU wheel only when the virtualenv has no torch at all; on a cluster, make the
 # venv with VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead.
 TORCH_SPEC ?= torch==2.13.0
@@ -23,7 +25,7 @@ $(STAMP): setup.py setup.cfg
 	touch $(STAMP)
 
 test: install data/corpus.bin
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q tests $(ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q $(TESTS) $(ARGS)
 
 submit: install data/corpus.bin
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/hpctrain submit $(CONFIG) --wait $(ARGS)

@@ -1,0 +1,466 @@
+"""Fault campaign, launch tier: a rank that fails, stops or dies must end the whole launch within seconds.
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/test_faults_launch.py
+
+Real processes under `mpiexec -n 2` (the mpich wheel) and on the local Slurm cluster. Faults come from outside
+(SIGSTOP / SIGKILL to a rank's pid, found by its launcher's environment in /proc) or from the hidden hook
+HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<rendezvous|ready> (hpctrain/session.py). Each test records its fault and
+the time until every rank was gone (tests/faults.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from faults import record
+from helpers import EXAMPLE, REPO, env_with_venv, tool
+
+pytestmark = pytest.mark.faults
+TIMEOUT_S = 8  # parallel.timeout_s of the MPI runs: a collective with a stopped peer gives up after this
+# a model small enough that a step takes milliseconds, on generated tokens (no data file needed)
+SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.log_every=1", "train.steps=100000",
+         "checkpoint.at_end=false"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_shm():
+    """MPICH removes its shared-memory segments at MPI_Finalize; MPI_Abort and SIGKILL leave them in /dev/shm
+    (2 MB per node each). Remove those this test's launches left: new, and mapped by no live process."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpich_shm_*"))
+    yield
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped |= {line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line}
+        except OSError:
+            continue
+    for left in set(shm.glob("mpich_shm_*")) - before:
+        if str(left) not in mapped:
+            left.unlink(missing_ok=True)
+
+
+def _sets(*sets: str) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _rank_pids(env_key: bytes, marker: str) -> dict[int, int]:
+    """{rank: pid} of the processes whose command line contains `marker` (the run root) and whose environment
+    holds env_key (PMI_RANK, SLURM_PROCID); we are root or the same user, so /proc shows them."""
+    found = {}
+    for env_file in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            cmdline = (env_file.parent / "cmdline").read_bytes()
+            env = env_file.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        argv = cmdline.split(b"\0")
+        if marker.encode() not in cmdline or not Path(argv[0].decode(errors="replace")).name.startswith("python"):
+            continue  # srun and mpiexec carry the run root in their command lines too
+        for item in env:
+            if item.startswith(env_key + b"="):
+                found[int(item.split(b"=", 1)[1])] = int(env_file.parent.name)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running, sleeping or stopped; a zombie has ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> float | None:
+    """Seconds until none of pids is alive, or None if some still are after deadline_s."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        if not any(_alive(p) for p in pids):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+class Launch:
+    """A launcher command in its own session; its output lines are collected by a thread."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env_with_venv() | (env or {}), cwd=REPO, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while not re.search(pattern, self.output):
+            if time.monotonic() - t0 > timeout_s or self.proc.poll() is not None:
+                time.sleep(0.5)
+                raise AssertionError(f"never saw {pattern!r} (exit {self.proc.poll()}):\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def kill(self, pids: list[int]) -> None:
+        """Cleanup: SIGKILL works on stopped processes too."""
+        for pid in [*pids, self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait(timeout=30)
+        self._reader.join(10)  # the whole output, up to the launcher's exit
+
+
+def _mpi_train(root: Path, *sets: str) -> list[str]:
+    return [tool("mpiexec"), "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", str(EXAMPLE),
+            *_sets(f"job.run_root={root}", f"parallel.timeout_s={TIMEOUT_S}", *SMALL, *sets)]
+
+
+def _fault_at_step(tmp_path: Path, sig: signal.Signals) -> tuple[float | None, Launch]:
+    """mpiexec -n 2 training; `sig` to rank 1 once rank 0 has logged step 2. Returns the seconds until both
+    ranks and mpiexec were gone (None: still there after the collective timeout + 20 s)."""
+    root = tmp_path / "runs"
+    launch = Launch(_mpi_train(root))
+    pids: dict[int, int] = {}
+    try:
+        launch.wait_for(r"step 2/", 120)
+        pids = _rank_pids(b"PMI_RANK", str(root))
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], sig)
+        gone = _wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S + 20)
+    finally:
+        launch.kill(list(pids.values()))
+    return gone, launch
+
+
+@pytest.mark.mpi
+def test_stopped_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
+    """A peer stopped mid-training: rank 0's collective times out after parallel.timeout_s, and then every rank
+    must go (MPI_Abort), not wait in MPI_Finalize for the stopped one until the job's time limit."""
+    gone, launch = _fault_at_step(tmp_path, signal.SIGSTOP)
+    assert gone is not None, f"ranks still alive {TIMEOUT_S + 20} s after SIGSTOP:\n{launch.output[-3000:]}"
+    assert gone < TIMEOUT_S + 10 and launch.proc.returncode != 0
+    assert "Timed out waiting" in launch.output and "MPI_Abort" in launch.output
+    record("SIGSTOP of rank 1 during training (mpiexec -n 2)",
+           f"rank 0's collective times out ({TIMEOUT_S} s), MPI_Abort ends both ranks, exit non-zero", gone, "mpi")
+
+
+@pytest.mark.mpi
+def test_killed_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
+    gone, launch = _fault_at_step(tmp_path, signal.SIGKILL)
+    assert gone is not None and gone < 10, f"ranks alive {gone} s after SIGKILL:\n{launch.output[-3000:]}"
+    assert launch.proc.returncode != 0
+    record("SIGKILL of rank 1 during training (mpiexec -n 2)", "mpiexec ends rank 0, exit non-zero", gone, "mpi")
+
+
+def _file_has(pattern: str, text: str) -> bool:
+    return any(text in p.read_text(errors="replace") for p in Path("/").glob(pattern.lstrip("/")))
+
+
+def _wait_for_file_text(pattern: str, text: str, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    while not _file_has(pattern, text):
+        assert time.monotonic() - t0 < timeout_s, f"{text!r} never appeared in {pattern}"
+        time.sleep(0.02)
+
+
+def _wait_for_pids(env_key: bytes, marker: str, n: int, timeout_s: float = 60) -> dict[int, int]:
+    t0 = time.monotonic()
+    while len(pids := _rank_pids(env_key, marker)) < n:
+        assert time.monotonic() - t0 < timeout_s, f"only {pids} of {n} ranks found"
+        time.sleep(0.05)
+    return pids
+
+
+@pytest.mark.mpi
+def test_raising_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
+    """Rank 1 raises once the mesh is up while rank 0 goes on into training: the launch ends at once, long before
+    rank 0's collective would time out."""
+    root = tmp_path / "runs"
+    launch = Launch(_mpi_train(root, f"parallel.timeout_s={TIMEOUT_S * 4}"), {"HPCTRAIN_FAULT": "raise:1:ready"})
+    pids: dict[int, int] = {}
+    try:
+        pids = _wait_for_pids(b"PMI_RANK", str(root), 2)
+        _wait_for_file_text(f"{root}/*/logs/rank00001.log", "HPCTRAIN_FAULT", 120)
+        gone = _wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S * 4 + 20)
+    finally:
+        launch.kill(list(pids.values()))
+    assert gone is not None and gone < 5, f"ranks alive {gone} s after the exception:\n{launch.output[-3000:]}"
+    assert launch.proc.returncode != 0
+    assert "RuntimeError: HPCTRAIN_FAULT: injected failure on rank 1 at ready" in launch.output
+    assert "failed: MPI_Abort ends the launch" in launch.output and "Timed out" not in launch.output
+    record("exception on rank 1 after start-up (mpiexec -n 2)", "traceback printed, MPI_Abort ends both ranks at "
+           "once (no collective timeout), exit non-zero", gone, "mpi")
+
+
+def test_stopped_rank_without_mpi_exits_nonzero(tmp_path) -> None:
+    """Without MPI (srun without --mpi, here two processes with Slurm's variables and a file rendezvous) the rank
+    whose collective timed out exits non-zero: tearing down the process group does not wait on the stopped
+    peer. (srun --kill-on-bad-exit=1 then ends the stopped one.)"""
+    procs = []
+    for rank in range(2):
+        env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+               "SLURM_NNODES": "1", "SLURM_JOB_ID": "nompi"}
+        procs.append(Launch([sys.executable, "-m", "hpctrain.cli", "train", str(EXAMPLE), "--run-dir", str(tmp_path),
+                             *_sets(f"parallel.timeout_s={TIMEOUT_S}", *SMALL)], env))
+    try:
+        procs[0].wait_for(r"step 2/", 120)
+        os.kill(procs[1].proc.pid, signal.SIGSTOP)
+        gone = _wait_gone([procs[0].proc.pid], TIMEOUT_S + 20)
+    finally:
+        for p in procs:
+            p.kill([])
+    assert gone is not None and gone < TIMEOUT_S + 10, procs[0].output[-3000:]
+    assert procs[0].proc.returncode == 1 and "Timed out waiting" in procs[0].output
+    record("SIGSTOP of rank 1 during training (2 processes, Slurm variables, no MPI)",
+           f"rank 0's collective times out ({TIMEOUT_S} s) and it exits 1; teardown does not hang", gone, "unit")
+
+
+def _slurm_kill(tmp_path: Path, when: str, sig: signal.Signals = signal.SIGKILL,
+                timeout_s: int = 60) -> tuple[float | None, Launch]:
+    """hpctrain submit --wait on the 2-node cluster; rank 1 gets `sig` mid-training (from here) or SIGKILL during
+    start-up (the hook). Returns the seconds until the four tasks were gone, and the finished submit."""
+    root = tmp_path / "runs"
+    hook = {"HPCTRAIN_FAULT": "SIGKILL:1:rendezvous"} if when == "startup" else {}
+    launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
+                     *_sets(f"job.run_root={root}", f"parallel.timeout_s={timeout_s}", "job.wait_timeout_s=5",
+                            *SMALL)], hook)
+    pids: dict[int, int] = {}
+    gone = job_id = None
+    try:
+        launch.wait_for(r"submitted job \d+", 60)
+        job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
+        if when == "startup":  # rank 1 may be gone before all four were seen: collect the others meanwhile
+            err = f"{root}/*/submitit/{job_id}_1_log.err"
+            t0 = time.monotonic()
+            while not ({0, 2, 3} <= set(pids) and _file_has(err, "HPCTRAIN_FAULT")):
+                assert time.monotonic() - t0 < 120, f"rank 1 never reached the fault (tasks seen: {pids})"
+                pids |= _rank_pids(b"SLURM_PROCID", str(root))
+                time.sleep(0.05)
+        else:
+            launch.wait_for(r"step 2/", 180)
+            pids = _wait_for_pids(b"SLURM_PROCID", str(root), 4)
+            os.kill(pids[1], sig)
+        gone = _wait_gone(list(pids.values()), timeout_s + 80)  # the step watchdog ends hangs at timeout_s + 60
+        launch.proc.wait(timeout=60)
+    finally:
+        if job_id and (launch.proc.poll() is None or gone is None):
+            subprocess.run(["scancel", job_id], timeout=20)
+        launch.kill(list(pids.values()))
+    return gone, launch
+
+
+@pytest.mark.slurm
+def test_killed_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
+    """SIGKILL of rank 1 mid-training: the job ends at once (its peers see the connection drop and abort, and
+    srun --kill-on-bad-exit=1 ends them too); --wait reports the failure."""
+    gone, launch = _slurm_kill(tmp_path, "training")
+    assert gone is not None and gone < 10, f"tasks alive {gone} s after SIGKILL of rank 1:\n{launch.output[-3000:]}"
+    assert launch.proc.returncode == 1, launch.output[-3000:]
+    record("SIGKILL of rank 1 during training (Slurm, 2 nodes x 2 tasks)",
+           "the other 3 tasks end at once; submit --wait exits 1", gone, "slurm")
+
+
+@pytest.mark.slurm
+def test_stopped_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
+    """SIGSTOP of rank 1 mid-training: its peers' collective times out after parallel.timeout_s, they abort,
+    and srun ends the step, the stopped task included (SIGKILL works on a stopped process)."""
+    gone, launch = _slurm_kill(tmp_path, "training", signal.SIGSTOP, timeout_s=TIMEOUT_S)
+    limit = TIMEOUT_S + 60  # the step watchdog's: a tp peer's DTensor collective waited past gloo's timeout
+    assert gone is not None and gone < limit + 15, f"tasks alive {gone} s after SIGSTOP:\n{launch.output[-3000:]}"
+    assert launch.proc.returncode == 1, launch.output[-3000:]
+    record("SIGSTOP of rank 1 during training (Slurm, 2 nodes x 2 tasks, tp=2)",
+           f"the peers stop at the collective timeout ({TIMEOUT_S} s) or, inside a DTensor collective that ignores "
+           f"it, at the step watchdog's {limit} s; MPI_Abort and srun end all 4 tasks; submit --wait exits 1",
+           gone, "slurm")
+
+
+@pytest.mark.slurm
+def test_rank_killed_during_startup_ends_slurm_job(slurm_cluster, tmp_path) -> None:
+    """SIGKILL of rank 1 before it joins the process group: the others would wait parallel.timeout_s (60 s) in
+    the rendezvous; srun --kill-on-bad-exit=1 (which submit passes) ends them. Blocked in the store, they take
+    its SIGTERM for a preemption (flagged from process start), so Slurm's SIGKILL after KillWait (5 s on the
+    local cluster, 30 s by default) is what ends them."""
+    gone, launch = _slurm_kill(tmp_path, "startup")
+    assert gone is not None and gone < 10, f"tasks alive {gone} s after SIGKILL of rank 1:\n{launch.output[-3000:]}"
+    assert launch.proc.returncode == 1, launch.output[-3000:]
+    record("SIGKILL of rank 1 during rendezvous (Slurm, 2 nodes x 2 tasks)",
+           "srun --kill-on-bad-exit ends the other 3 tasks (SIGTERM is flagged; SIGKILL after KillWait = 5 s), "
+           "not after the 60 s rendezvous timeout; submit --wait exits 1",
+           gone, "slurm")
+
+
+@pytest.mark.slurm
+def test_raising_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
+    """Rank 1 raises once the mesh is up: MPI_Abort through srun's PMI2 ends the four tasks at once, and
+    submit --wait reports rank 1's error from the result it left, without waiting job.wait_timeout_s (120 s)."""
+    root = tmp_path / "runs"
+    launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
+                     *_sets(f"job.run_root={root}", "parallel.timeout_s=60", "job.wait_timeout_s=120", *SMALL)],
+                    {"HPCTRAIN_FAULT": "raise:1:ready"})
+    pids: dict[int, int] = {}
+    job_id = None
+    try:
+        launch.wait_for(r"submitted job \d+", 60)
+        job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
+        err = f"{root}/*/submitit/{job_id}_1_log.err"
+        t0 = time.monotonic()
+        while not _file_has(err, "HPCTRAIN_FAULT"):
+            assert time.monotonic() - t0 < 120, "rank 1 never reached the fault"
+            pids |= _rank_pids(b"SLURM_PROCID", str(root))
+            time.sleep(0.05)
+        t_fault = time.monotonic()
+        gone = _wait_gone(list(pids.values()), 40)
+        launch.proc.wait(timeout=60)
+        reported = time.monotonic() - t_fault
+    finally:
+        if job_id and launch.proc.poll() is None:
+            subprocess.run(["scancel", job_id], timeout=20)
+        launch.kill(list(pids.values()))
+    assert len(pids) == 4 and gone is not None and gone < 10, (pids, gone, launch.output[-3000:])
+    assert launch.proc.returncode == 1 and reported < 30, (reported, launch.output[-3000:])
+    assert "injected failure on rank 1 at ready" in launch.output
+    record("exception on rank 1 after start-up (Slurm, 2 nodes x 2 tasks)",
+           "MPI_Abort ends the 4 tasks; submit --wait exits 1 with rank 1's error at once (< 30 s, not after "
+           "job.wait_timeout_s = 120 s)",
+           gone, "slurm")
+
+
+# --- a stranger at the rendezvous store ---------------------------------------------------------------------
+
+STRANGER = r"""
+import json, re, socket, sys
+from pathlib import Path
+import torch.distributed as dist
+from hpctrain import rendezvous
+
+rdzv = Path(sys.argv[1])
+ident = rendezvous.identify("auto")
+rendezvous.init_distributed(ident, "gloo", 30, "", rdzv)
+dist.barrier()
+if ident.rank == 0:
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # PrefixStores around the TCPStore rank 0 serves
+        store = store.underlying_store
+    keys = store.list_keys()
+    out = {"port": store.port, "host": store.host, "keys": keys, "files": [p.name for p in rdzv.iterdir()]}
+    # the names the job's keys would have without a job secret in front of them
+    plain = [k.split("/", 1)[1] for k in keys if re.match(r"[0-9a-f]{32}/", k)] or keys
+    stranger = dist.TCPStore(store.host, store.port, is_master=False, timeout=__import__("datetime").timedelta(5))
+    out["stranger_finds"] = [k for k in plain if stranger.check([k])]
+    out["stranger_lists"] = stranger.list_keys()
+    out["other_addr"], out["other_addr_connects"] = sys.argv[2], None
+    try:
+        socket.create_connection((sys.argv[2], store.port), timeout=3).close()
+        out["other_addr_connects"] = True
+    except OSError as e:
+        out["other_addr_connects"] = f"{type(e).__name__}: {e}"
+    print("STRANGER " + json.dumps(out), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _other_local_address() -> str:
+    """An address of this host other than the 127.0.0.1 the store is published on: the first non-loopback IPv4
+    address if there is one, else 127.0.0.2 (all of 127/8 is local, but a socket bound to 127.0.0.1 does not
+    answer there)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    addrs = [a for a in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)", out) if not a.startswith("127.")]
+    return addrs[0] if addrs else "127.0.0.2"
+
+
+@pytest.mark.parametrize("launcher", ["file", pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_stranger_at_the_store_finds_nothing(launcher, tmp_path, request) -> None:
+    """One job of 2 ranks on one node (the store published on 127.0.0.1). A process outside the job that
+    connects to the published port finds none of the job's keys under their plain names (they sit under the
+    job's secret); the store does not answer on another address of this host; the address file is gone."""
+    other = _other_local_address()
+    cmd = [sys.executable, "-c", STRANGER, str(tmp_path), other]
+    if launcher == "mpi":
+        request.getfixturevalue("mpiexec")
+        runs = [Launch([tool("mpiexec"), "-n", "2", *cmd])]
+    else:
+        runs = [Launch(cmd, {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                             "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": "stranger"})
+                for r in range(2)]
+    for run in runs:
+        run.proc.wait(timeout=120)
+        run.kill([])
+    out = runs[0].output
+    assert all(run.proc.returncode == 0 for run in runs), out + runs[-1].output
+    found = json.loads(out.split("STRANGER ", 1)[1].splitlines()[0])
+    assert found["host"] == "127.0.0.1" and found["keys"], found
+    assert all(re.match(r"[0-9a-f]{32}/", k) for k in found["keys"]), found["keys"]
+    assert found["stranger_finds"] == [], found
+    # the exposure rendezvous.py documents: TCPStore lists every key, prefix included, to any client
+    assert sorted(found["stranger_lists"]) == sorted(found["keys"]), found
+    assert found["other_addr_connects"] is not True, found
+    assert found["files"] == [], found  # the address file (launchers without MPI) was removed after start-up
+    record(f"a process outside the job connects to the rendezvous store ({launcher} rendezvous)",
+           f"none of the job's {len(found['keys'])} keys under their plain names; no answer on {other}; "
+           "address file gone", None, "mpi" if launcher == "mpi" else "unit")
+
+
+# --- preemption signals during start-up ---------------------------------------------------------------------
+
+def test_preemption_flag_before_torch() -> None:
+    """The process's flag installs without importing torch (the `train` command installs it first thing), is
+    the same object on every call, and flags USR2 and TERM instead of dying of them."""
+    code = """
+import os, signal, sys
+from hpctrain import preempt
+flag = preempt.process_flag()
+assert "torch" not in sys.modules, "preempt imported torch"
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGUSR2)
+assert preempt.process_flag() is flag and flag.received == signal.SIGUSR2, flag.received
+assert flag.poll() == (True, False, False)  # no torch.distributed: this rank's own verdict
+print("FLAGGED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0 and "FLAGGED" in out.stdout, out.stdout + out.stderr
+    record("USR2 and TERM to a process that installed the preemption flag (no torch imported)",
+           "flagged, process lives on", None, "unit")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sig, rank, point", [("SIGUSR2", 1, "rendezvous"), ("SIGTERM", 0, "ready")])
+def test_preemption_during_startup(mpiexec, tmp_path, sig, rank, point) -> None:
+    """A preemption signal to one rank before training starts (during the rendezvous, or once the mesh is up and
+    the model is about to be built): no rank dies of it; the ranks agree to stop before the first step, and
+    rank 0 asks for the requeue; no traceback anywhere."""
+    root = tmp_path / "runs"
+    launch = Launch(_mpi_train(root, "train.steps=20"), {"HPCTRAIN_FAULT": f"{sig}:{rank}:{point}"})
+    try:
+        launch.proc.wait(timeout=120)
+    finally:
+        launch.kill([])
+    out = launch.output
+    assert launch.proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out
+    (run,) = root.iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    train = summary["train"]
+    assert summary["ok"] and train["preempted"] and train["steps"] == 0, summary
+    assert train["requeue"] == "not a Slurm job: nothing to requeue (rerun the same command to resume)"
+    assert f"received {sig}" in (run / "logs" / f"rank{rank:05d}.log").read_text() + out
+    record(f"{sig} to rank {rank} during start-up ({point}; mpiexec -n 2)",
+           "flagged; both ranks stop before the first step, rank 0 requeues; exit 0, no traceback", None, "mpi")

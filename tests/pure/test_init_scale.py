@@ -1,0 +1,115 @@
+"""Initialisation that scales, in this process: any slice of a parameter's init equals the same slice of its full
+value; a slice draws only the tiles it touches; a resume from a checkpoint never runs the init, a fresh run does,
+and a Trainer stepped by hand fills on first use. The shards of real gloo layouts are
+tests/multiproc/test_init_scale_shards.py's.
+
+    .venv/bin/python -m pytest tests/pure/test_init_scale.py -q
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import TINY, counting_tiles, touched
+
+from hpctrain import parallelize, session
+from hpctrain.config import ModelConfig, load_config
+from hpctrain.model import INIT_TILE, ModelDims, init_slice, init_value
+
+DIMS = ModelDims.from_config(ModelConfig(n_layers=4))
+TR, TC = INIT_TILE
+
+SLICES = [  # (shape, offset, local shape): tile multiples, ragged edges, 1-D, 3-D, empty boxes, one element
+    ((64, 2048), (16, 1024), (16, 1024)),
+    ((50, 3000), (5, 1000), (37, 1999)),
+    ((1003, 17), (998, 0), (5, 17)),
+    ((5000,), (1500,), (2100,)),
+    ((7,), (0,), (7,)),
+    ((5, 7, 300), (1, 2, 17), (3, 4, 200)),
+    ((40, 6, 700), (0, 3, 0), (40, 1, 700)),
+    ((33, 2050), (33, 0), (0, 2050)),
+    ((33, 2050), (3, 2050), (20, 0)),
+    ((), (), ()),
+]
+
+
+@pytest.mark.parametrize("shape,offset,local_shape", SLICES)
+def test_any_slice_is_the_slice_of_the_full_tensor(shape, offset, local_shape) -> None:
+    name = "layers.3.feed_forward.w2.weight"
+    full = init_value(name, shape, DIMS, seed=7)
+    box = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    part = init_slice(name, shape, DIMS, 7, offset, local_shape)
+    assert part.shape == full[box].shape and torch.equal(part, full[box])
+    out = torch.full(tuple(local_shape) + (3,), float("nan"))[..., 1]  # a strided target is written through
+    init_slice(name, shape, DIMS, 7, offset, local_shape, out=out)
+    assert torch.equal(out, full[box])
+
+
+def test_init_statistics_and_norms() -> None:
+    w = init_value("layers.0.attention.wq.weight", (1000, 3000), DIMS, seed=0)
+    assert abs(w.std().item() - 0.02) < 2e-4 and abs(w.mean().item()) < 1e-4
+    wo = init_value("layers.0.attention.wo.weight", (1000, 3000), DIMS, seed=0)
+    assert abs(wo.std().item() - 0.02 / math.sqrt(2 * DIMS.n_layers)) < 1e-4
+    assert torch.equal(init_slice("layers.2.ffn_norm.weight", (4096,), DIMS, 0, (100,), (50,)), torch.ones(50))
+    # tiles are independent draws, not one stream restarted: neighbouring tiles differ
+    assert not torch.equal(w[:TR, :TC], w[:TR, TC:2 * TC]) and not torch.equal(w[:TR, :TC], w[TR:2 * TR, :TC])
+
+
+def test_a_slice_draws_only_the_tiles_it_touches(monkeypatch) -> None:
+    drawn = counting_tiles(monkeypatch)
+    cases = [((8192, 8192), (64, 0), (64, 8192)), ((8192, 3584 * 8), (512, 3584), (512, 3584)),
+             ((1002 * 16, 8192), (1002 * 5, 0), (1002, 8192)), ((8192,), (1024,), (2048,))]
+    for i, (shape, offset, local_shape) in enumerate(cases):
+        init_slice(f"p{i}.weight", shape, DIMS, 0, offset, local_shape)
+        assert drawn[f"p{i}.weight"] == touched(shape, offset, local_shape) < math.prod(shape)
+        assert drawn[f"p{i}.weight"] <= 1.3 * math.prod(local_shape)
+
+
+# -- the trainer: no init under a resume -------------------------------------------------------------------------
+SMALL = TINY + ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "data.seq_len=16", "train.micro_batch_size=2"]
+
+
+def counting_fills(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = parallelize.init_weights
+    monkeypatch.setattr(parallelize, "init_weights", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_resume_skips_the_init_and_a_fresh_run_fills(tmp_path, monkeypatch) -> None:
+    from hpctrain.train import Trainer
+    calls, drawn = counting_fills(monkeypatch), counting_tiles(monkeypatch)
+
+    def fit(steps: int) -> dict:
+        cfg = load_config(None, SMALL + [f"job.run_root={tmp_path / 'runs'}", f"checkpoint.dir={tmp_path / 'ck'}",
+                                         f"train.steps={steps}"])
+        with session.start(cfg) as s:
+            return Trainer(cfg, s).fit()
+    fresh = fit(2)
+    assert calls == [1] and drawn and fresh["resumed_from"] is None
+    calls.clear(), drawn.clear()
+    resumed = fit(4)
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    assert calls == [] and drawn == {}  # the checkpoint filled every weight: not one tile drawn
+
+
+def test_a_trainer_stepped_by_hand_fills_on_first_use(tmp_path, monkeypatch) -> None:
+    """Callers that step without fit() (benchmarks, workers) and readers of .model never see unfilled memory."""
+    from hpctrain.train import Trainer
+    calls = counting_fills(monkeypatch)
+    cfg = load_config(None, SMALL + [f"job.run_root={tmp_path}"])
+    with session.start(cfg) as s:
+        tr = Trainer(cfg, s)
+        assert calls == []  # allocated, not filled: a resume may still overwrite it
+        row = tr.train_step()
+        assert calls == [1] and math.isfinite(row["loss"])
+        tr.train_step()
+        assert calls == [1]
+        read = Trainer(cfg, s)
+        weights = dict(read.model.named_parameters())  # reading .model fills
+        assert calls == [1, 1]
+        assert torch.equal(weights["tok_embeddings.weight"].detach(),
+                           init_value("tok_embeddings.weight", weights["tok_embeddings.weight"].shape,
+                                      read.pm.dims, cfg.train.seed))
+

@@ -1,0 +1,176 @@
+"""Pure tier for how training measures itself: the datasheet peak a device name stands for (device names mocked:
+no GPU here), the fallbacks and their labels, the GEMM probe's size, the TF32 decision, the peak-memory reset; and,
+from one in-process training run per case, what the metrics rows and the summary report.
+
+    .venv/bin/python -m pytest tests/pure/test_mfu.py -q
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hpctrain import metrics, session
+from hpctrain.config import TrainConfig, load_config
+from hpctrain.metrics import DATASHEET_TFLOPS, Peak, choose_peak, datasheet_part, matmul_dtype, probe_size
+from hpctrain.train import Trainer, apply_tf32, tf32_setting
+
+GEMM = {"tflops": 0.1, "n": 1024, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("name, part, bf16, tf32", [
+    ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 SXM", 312.0, 156.0),
+    ("NVIDIA A100-SXM4-40GB", "NVIDIA A100 SXM", 312.0, 156.0),
+    ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM", 989.5, 494.5),
+    ("NVIDIA H200", "NVIDIA H200", 989.5, 494.5),
+    ("NVIDIA B200", "NVIDIA B200", 2250.0, 1100.0),
+    ("AMD Instinct MI250X", "AMD Instinct MI250X", 191.5, None),
+    ("AMD Instinct MI300X", "AMD Instinct MI300X", 1307.4, 653.7),
+])
+def test_recognised_devices_get_their_dense_datasheet_peak(name, part, bf16, tf32) -> None:
+    assert datasheet_part(name) == part
+    assert choose_peak(name, "bf16", 0.0, GEMM) == Peak(bf16, f"datasheet: {part} bf16 dense")
+    got = choose_peak(name, "tf32", 0.0, GEMM)
+    if tf32 is None:  # CDNA2 has no TF32: measured, and the label says why
+        assert got == Peak(0.1, f"measured: float32 GEMM 1024^3 ({part} has no tf32 figure)")
+    else:
+        assert got.tflops == pytest.approx(tf32) and got.source.startswith("datasheet")
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM2e",
+                                  "NVIDIA A100 80GB PCIe", "NVIDIA A100-PCIE-40GB", "NVIDIA H200 NVL", "NVIDIA GB200",
+                                  "AMD Instinct MI250X/MI250", "Tesla V100-SXM2-32GB", ""])
+def test_other_parts_fall_back_to_the_measured_gemm_labelled(name) -> None:
+    """Lower-peak parts under similar names are not taken for the SXM ones; nor is ROCm's shared MI250X/MI250."""
+    assert datasheet_part(name) is None
+    assert choose_peak(name, "bf16", 0.0, GEMM) == Peak(
+        0.1, f"measured: float32 GEMM 1024^3 ({name!r} is not in the datasheet table)")
+
+
+def test_cpu_configured_and_nothing_known() -> None:
+    assert choose_peak(None, "fp32", 0.0, GEMM) == Peak(0.1, "measured: float32 GEMM 1024^3 (a CPU)")
+    # a configured peak wins everywhere, a recognised GPU included (a power-capped part, say)
+    assert choose_peak("NVIDIA H100 80GB HBM3", "bf16", 700.0, GEMM) == Peak(700.0, "config: train.peak_tflops")
+    assert choose_peak(None, "fp32", 0.0, None) == Peak(0.0, "none")
+    assert choose_peak("NVIDIA A100-SXM4-80GB", "fp8", 0.0, GEMM).source.endswith("(NVIDIA A100 SXM has no fp8 figure)")
+
+
+def test_table_is_dense_and_consistent() -> None:
+    """Tensor-core rates double from tf32 to bf16 to fp8 on every listed part (within the datasheets' rounding:
+    B200's TF32 is given as 2.2 against BF16's 4.5): a figure "with sparsity" copied by mistake breaks the ratio."""
+    for part, row in DATASHEET_TFLOPS.items():
+        assert row["bf16"] == row["fp16"], part
+        if "tf32" in row:
+            assert row["bf16"] == pytest.approx(2 * row["tf32"], rel=0.05), part
+        if "fp8" in row:
+            assert row["fp8"] == pytest.approx(2 * row["bf16"], rel=0.05), part
+        assert row.get("fp32", 0) < row.get("tf32", row["bf16"]), part
+        assert set(row) <= {"fp32", "tf32", "bf16", "fp16", "fp8"}, part
+    assert {p for _, p in metrics.DEVICE_NAMES} == set(DATASHEET_TFLOPS)
+
+
+def test_device_name_asks_cuda_for_gpus_only(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert metrics.device_name(torch.device("cuda", 0)) == "NVIDIA H100 80GB HBM3"
+    assert metrics.device_name(torch.device("cpu")) is None
+
+
+def test_matmul_dtype_and_probe_size() -> None:
+    assert [matmul_dtype(p, True) for p in ("fp32", "bf16", "fp16")] == ["tf32", "bf16", "fp16"]
+    assert matmul_dtype("fp32", False) == "fp32"
+    assert probe_size("cuda", torch.bfloat16) == probe_size("cuda", torch.float32) == 8192
+    assert probe_size("cpu", torch.float32) == 1024 and probe_size("cpu", torch.bfloat16) == 256
+
+
+def test_probe_halves_its_size_on_a_full_gpu(monkeypatch) -> None:
+    sizes = []
+
+    def measure(dtype, n, device, **kw):
+        sizes.append(n)
+        if n > 2048:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"tflops": 500.0}
+    monkeypatch.setattr(metrics, "measure_gemm", measure)
+    assert metrics.gemm_probe(torch.device("cuda", 0), torch.bfloat16) == {"tflops": 500.0, "n": 2048,
+                                                                           "dtype": "bfloat16"}
+    assert sizes == [8192, 4096, 2048]
+
+
+def test_tf32_is_decided_for_cuda_only(monkeypatch) -> None:
+    assert TrainConfig().tf32 is True
+    assert tf32_setting(True, "cuda") is True and tf32_setting(False, "cuda") is False
+    assert tf32_setting(True, "cpu") is None and tf32_setting(False, "cpu") is None
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        assert apply_tf32(True, torch.device("cpu")) is False
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == flags  # left alone
+        assert apply_tf32(True, torch.device("cuda", 0)) is True
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert apply_tf32(False, torch.device("cuda", 0)) is False
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_cuda_peak_memory_is_reset_with_its_baseline(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3e9)
+    got = metrics.reset_peak_memory(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]
+    assert got["baseline_gb"] == 3.0 and "since the end of initialisation" in got["peak_mem"]
+
+
+# --- what a training run reports (one process, in this one) -----------------------------------------------------
+
+TINY = ["model.vocab_size=256", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+        "data.source=synthetic", "data.seq_len=32", "train.steps=3", "train.log_every=1", "train.micro_batch_size=2",
+        "checkpoint.at_end=false", "parallel.pp=1", "parallel.tp=1", "parallel.dp=-1"]
+
+
+def _fit(tmp_path, *overrides: str, events: list | None = None) -> tuple[dict, list[dict]]:
+    cfg = load_config(None, TINY + list(overrides) + [f"job.run_root={tmp_path}"])
+    with session.start(cfg) as s:
+        tr = Trainer(cfg, s)
+        if events is not None:  # the order of probe, memory reset and steps
+            step, probe, reset = tr.train_step, metrics.gemm_probe, metrics.reset_peak_memory
+            tr.train_step = lambda *a, **k: events.append("step") or step(*a, **k)
+            metrics.gemm_probe = lambda *a, **k: events.append("probe") or probe(*a, **k)
+            metrics.reset_peak_memory = lambda *a, **k: events.append("reset") or reset(*a, **k)
+            try:
+                out = tr.fit()
+            finally:
+                metrics.gemm_probe, metrics.reset_peak_memory = probe, reset
+        else:
+            out = tr.fit()
+        rows = [json.loads(line) for line in (s.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+def test_cpu_run_reports_measured_peak_gemm_and_memory_baseline(tmp_path) -> None:
+    events: list[str] = []
+    out, rows = _fit(tmp_path, events=events)
+    assert events == ["probe", "reset", "step", "step", "step"]  # memory counts from after initialisation
+    assert out["peak_source"] == "measured: float32 GEMM 1024^3 (a CPU)" and out["tf32"] is False
+    assert out["gemm"]["n"] == 1024 and out["gemm"]["tflops"] == out["peak_tflops"] > 0
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["peak_source"] == out["peak_source"]
+        assert r["mfu"] == pytest.approx(r["tflops_per_rank"] / out["peak_tflops"])
+        assert r["mfu_gemm"] == pytest.approx(r["mfu"])  # the same figure here: the peak is the GEMM
+    mem = out["memory"]
+    assert "cannot be reset" in mem["peak_mem"] and 0 < mem["baseline_gb"] <= rows[-1]["peak_mem_gb"]
+
+
+def test_recognised_device_reports_datasheet_mfu_beside_gemm(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(metrics, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    out, rows = _fit(tmp_path)
+    # on this CPU fp32 runs without TF32: the H100's plain FP32 figure
+    assert (out["peak_tflops"], out["peak_source"]) == (67.0, "datasheet: NVIDIA H100 SXM fp32 dense")
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["tflops_per_rank"] / 67.0)
+        assert r["mfu_gemm"] == pytest.approx(r["tflops_per_rank"] / out["gemm"]["tflops"])
+    out, rows = _fit(tmp_path, "train.peak_tflops=2")
+    assert out["peak_source"] == "config: train.peak_tflops" and rows[0]["mfu"] == pytest.approx(
+        rows[0]["tflops_per_rank"] / 2)

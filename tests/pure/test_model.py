@@ -1,0 +1,121 @@
+"""Pure tier for the model: shapes, grouped-query attention (SDPA's enable_gqa against repeated K/V), tied
+embeddings, causality, the layout-independent init, parameter and FLOP counts (70B example included), and the
+refusals of model dims against tp."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from helpers import REPO
+
+from hpctrain import model
+from hpctrain.cli import main as cli
+from hpctrain.config import ModelConfig, load_config
+from hpctrain.model import ModelDims, Transformer, init_value, native_gqa, sdpa_has_gqa
+
+
+def _model(**kw) -> Transformer:
+    dims = ModelDims.from_config(ModelConfig(**({"dim": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 16} | kw)))
+    m = Transformer(dims)
+    m.init_buffers()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(init_value(name, p.shape, dims, seed=0))
+    return m
+
+
+def test_forward_shape_and_param_count() -> None:
+    m = _model()
+    logits = m(torch.randint(0, 256, (3, 10)))
+    assert logits.shape == (3, 10, 256)
+    assert sum(p.numel() for p in m.parameters()) == m.dims.num_params()
+
+
+def test_gqa_and_tied_embeddings_count() -> None:
+    m = _model(n_kv_heads=2, tie_embeddings=True)
+    assert m.layers["0"].attention.wk.weight.shape == (2 * 8, 32)  # 2 kv heads of head_dim 8
+    assert m.output.weight is m.tok_embeddings.weight
+    assert sum(p.numel() for p in m.parameters()) == m.dims.num_params()
+    assert m(torch.randint(0, 256, (2, 5))).shape == (2, 5, 256)
+
+
+def test_native_gqa_where_a_kernel_reads_grouped_heads() -> None:
+    """enable_gqa on CPUs and for CUDA flash (fp16/bf16, not ROCm); repeat where only the memory-efficient
+    kernel fits (CUDA fp32), which rejects grouped heads, and where this torch lacks the argument."""
+    assert native_gqa("cpu", torch.float32, rocm=False, has_gqa=True)
+    assert native_gqa("cuda", torch.bfloat16, rocm=False, has_gqa=True)
+    assert native_gqa("cuda", torch.float16, rocm=False, has_gqa=True)
+    assert not native_gqa("cuda", torch.float32, rocm=False, has_gqa=True)
+    assert not native_gqa("cuda", torch.bfloat16, rocm=True, has_gqa=True)
+    assert not native_gqa("cpu", torch.float32, rocm=False, has_gqa=False)
+    assert sdpa_has_gqa()  # torch >= 2.5 here
+
+
+def _attention_calls(monkeypatch) -> list[tuple[int, int, dict]]:
+    """Records (query heads, key heads, keyword arguments) of every SDPA call."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1], kw))
+        return sdpa(q, k, v, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def _logits_and_grads(m: Transformer, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m.zero_grad(set_to_none=True)
+    logits = m(x)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_gqa_through_enable_gqa_matches_repeated_kv(monkeypatch) -> None:
+    m = _model(n_kv_heads=2)  # 4 query heads share 2 kv heads
+    x = torch.randint(0, 256, (3, 12))
+    calls = _attention_calls(monkeypatch)
+    native, native_grads = _logits_and_grads(m, x)
+    assert calls and all(c == (4, 2, {"is_causal": True, "enable_gqa": True}) for c in calls)  # K/V not repeated
+    calls.clear()
+    monkeypatch.setattr(model, "sdpa_has_gqa", lambda: False)  # a torch without enable_gqa
+    repeated, repeated_grads = _logits_and_grads(m, x)
+    assert calls and all(c == (4, 4, {"is_causal": True}) for c in calls)
+    assert torch.allclose(native, repeated, atol=1e-6, rtol=0)
+    for name, g in repeated_grads.items():
+        assert torch.allclose(native_grads[name], g, atol=1e-6, rtol=0), name
+
+
+def test_causal() -> None:
+    m = _model()
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % 256  # change only the future of position 7
+    assert torch.allclose(m(x)[0, :8], m(y)[0, :8], atol=1e-6)
+    assert not torch.allclose(m(x)[0, 8:], m(y)[0, 8:])
+
+
+def test_init_depends_on_name_and_seed_only() -> None:
+    dims = ModelDims.from_config(ModelConfig())
+    a = init_value("layers.1.attention.wq.weight", torch.Size([8, 4]), dims, seed=3)
+    assert torch.equal(a, init_value("layers.1.attention.wq.weight", torch.Size([8, 4]), dims, seed=3))
+    assert not torch.equal(a, init_value("layers.0.attention.wq.weight", torch.Size([8, 4]), dims, seed=3))
+    assert not torch.equal(a, init_value("layers.1.attention.wq.weight", torch.Size([8, 4]), dims, seed=4))
+    assert torch.equal(init_value("norm.weight", torch.Size([4]), dims, 0), torch.ones(4))
+
+
+def test_vocab_padding_and_tp_refusals() -> None:
+    assert ModelDims.from_config(ModelConfig(vocab_size=250), tp=2).vocab_size == 256
+    assert ModelDims.from_config(ModelConfig(vocab_size=256, n_heads=6, dim=96, ffn_dim=192), tp=3).vocab_size == 384
+    with pytest.raises(ValueError, match="model.n_kv_heads = 2 is not divisible by parallel.tp = 4"):
+        ModelDims.from_config(ModelConfig(n_heads=4, n_kv_heads=2), tp=4)
+
+
+def test_70b_example_counts_and_dry_run() -> None:
+    cfg = load_config(REPO / "slurm" / "examples" / "llama-70b.toml")
+    dims = ModelDims.from_config(cfg.model, cfg.parallel.tp)
+    assert 70.0e9 < dims.num_params() < 71.0e9
+    # 6 FLOPs per matmul weight and token plus attention: ~6 * 70e9 + 12 * 80 * 8192 * 8192
+    assert dims.flops_per_token(8192) == pytest.approx(6 * 69.5e9 + 12 * 80 * 8192 * 8192, rel=0.02)
+    res = CliRunner().invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "llama-70b.toml"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "layout pp=1 dp=16 tp=8 on 16 node(s) x 8 rank(s)" in res.output and "#SBATCH --nodes=16" in res.output

@@ -1,0 +1,73 @@
+"""One rank of the multi-process benchmark tests (started 2 or 4 times by tests/multiproc/test_bench_dist.py
+with torchrun's variables).
+
+Runs several cases in one process to pay for `import torch` once; each case gets its own port and run root.
+A case is either a `hpctrain bench` command line (run in-process through the click command) or "hier", which
+compares the two-level all-reduce with the flat one on the session's own intra/inter groups. Writes what
+happened per case to <out>/rank<r>.json.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpctrain import cli, session
+from hpctrain.bench import colls, harness, pattern
+from hpctrain.config import load_config
+
+HIER_NUMEL = 1000  # divisible by the intra group size (2)
+
+
+def _hier_case(s: session.Session) -> dict:
+    """Hierarchical vs flat all-reduce of the same tensors, and both vs a single-process reference."""
+    intra, inter = s.mesh.group("intra"), s.mesh.group("inter")
+    world = s.ident.world_size
+    record = {"intra": s.mesh.members("intra", s.rank), "inter": s.mesh.members("inter", s.rank)}
+    # seeded small integers: every order of summation gives the same bits
+    for dtype, op in [("int64", "sum"), ("int32", "max"), ("float", "sum"), ("float", "min"), ("double", "prod")]:
+        inputs = [pattern.make_data(r, HIER_NUMEL, harness.DTYPES[dtype], op, seed=11, nranks=world)
+                  for r in range(world)]
+        hier, flat = inputs[s.rank].clone(), inputs[s.rank].clone()
+        colls.hierarchical_all_reduce(hier, intra, inter, op)
+        dist.all_reduce(flat, op=colls.TORCH_OPS[op])
+        ref = pattern.reduce_inputs(inputs, op)
+        record[f"{dtype}_{op}"] = {"hier_eq_flat": torch.equal(hier, flat),
+                                   "hier_eq_ref": torch.equal(hier.double(), ref),
+                                   "changed": not torch.equal(hier, inputs[s.rank])}
+    # random floats: equal within rounding (the two algorithms add in different orders)
+    for op in ("sum", "avg"):
+        inputs = [torch.randn(HIER_NUMEL, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+        hier, flat = inputs[s.rank].clone(), inputs[s.rank].clone()
+        colls.hierarchical_all_reduce(hier, intra, inter, op)
+        dist.all_reduce(flat, op=colls.TORCH_OPS[op])
+        ref = pattern.reduce_inputs(inputs, op)
+        record[f"randn_{op}"] = {"max_diff_flat": (hier - flat).abs().max().item(),
+                                 "max_diff_ref": (hier.double() - ref).abs().max().item(),
+                                 "max_abs_ref": ref.abs().max().item()}
+    return record
+
+
+def main(out: str, example: str, base_port: int, cases_json: str) -> None:
+    rank = int(os.environ["RANK"])
+    record = {}
+    for i, (name, argv) in enumerate(json.loads(cases_json)):
+        os.environ["MASTER_PORT"] = str(base_port + i)
+        sets = ["--set", f"job.run_root={out}/{name}", "--set", "parallel.timeout_s=120"]
+        try:
+            if argv == "hier":
+                cfg = load_config(example, [f"job.run_root={out}/{name}", "parallel.timeout_s=120"])
+                with session.start(cfg) as s:
+                    record[name] = _hier_case(s)
+            else:
+                cli.main(["bench", *argv, "--config", example, *sets], standalone_mode=False)
+                record[name] = {"ok": True}
+        except Exception as e:  # recorded for the test to judge; every rank must fail alike
+            record[name] = {"error": f"{type(e).__name__}: {e}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
