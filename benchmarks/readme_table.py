@@ -1,6 +1,6 @@
 """Writes the README's "Measured here" table from the verdict records in benchmarks/results/*.json, and nothing
 else: every row is one `_verdict.verdict` record (median of paired per-round values, 95% interval, rounds,
-target, met or NOT MET). `make bench` runs it after the benchmarks; tests/test_readme_bench.py fails when the
+target, met or NOT MET). `make bench` runs it after the benchmarks; tests/pure/test_readme_bench.py fails when the
 README and the JSON files disagree.
 
     python benchmarks/readme_table.py            # rewrite the table between the markers in README.md

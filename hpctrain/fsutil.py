@@ -12,7 +12,7 @@ and path's directory is fsynced so the rename itself is durable. On any exceptio
 goes on; path is untouched. unique=False names it `<name>.tmp` (a leftover of a killed writer is replaced);
 unique=True gives every call a random name, for targets that several processes may write at once.
 
-Imports nothing of hpctrain and no torch: any module may use it. Tests: pytest tests/test_fsutil.py
+Imports nothing of hpctrain and no torch: any module may use it. Tests: pytest tests/pure/test_fsutil.py
 """
 from __future__ import annotations
 

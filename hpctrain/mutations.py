@@ -1,5 +1,5 @@
-"""Deliberate gradient-scale bugs, for tests only: tests/test_grad_scale_mutations.py proves with them that the
-layout-equivalence tests see a dp reduction that sums, a missing /grad_accum and a tp gradient counted twice.
+"""Deliberate gradient-scale bugs, for tests only: tests/multiproc/test_grad_scale_mutations.py proves with them
+that the layout-equivalence tests see a dp reduction that sums, a missing /grad_accum and a tp gradient counted twice.
 HPCTRAIN_TEST_MUTATION names one; unset (always, outside those tests) the trainer is unchanged."""
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ pipeline stages, and a dynamic loss scaler for fp16.
     norm = grad_norm(params, pp_group); clip_grads(params, t.grad_clip, norm)   # the same norm on every rank
     scaler = LossScaler(enabled=precision == "fp16", init_scale=t.loss_scale)
 
-Tested through training: tests/test_train_equivalence.py (grad norms against a one-process reference, the
-skipped non-finite step) and tests/test_grad_scale_mutations.py.
+Tested through training: tests/multiproc/test_train_equivalence.py (grad norms against a one-process reference, the
+skipped non-finite step) and tests/multiproc/test_grad_scale_mutations.py.
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ the host (torch picks a group's CPU backend when it has one), the same path CPU 
 it. The cost: a gloo context per group (TCP connections, host memory, an interface every rank reaches: gloo
 follows GLOO_SOCKET_IFNAME), and a host collective is a TCP round trip, so per-step collectives (the preemption
 poll) keep passing the rank's device and stay on NCCL. device_id is still passed for NCCL: the communicator
-connects at init, on the bound GPU, and subgroups split from it. tests/test_device_collectives.py checks this on
-CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
+connects at init, on the bound GPU, and subgroups split from it. tests/multiproc/test_device_collectives.py checks
+this on CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
 """
 from __future__ import annotations
 
@@ -364,8 +364,9 @@ def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 60
     import torch
     import torch.distributed as dist
 
-    # Test hook (tests/test_device_collectives.py), read here and nowhere else: HPCTRAIN_EMULATE_NCCL=1 runs the
-    # NCCL path on a CPU-only torch, its device entries served by gloo (emulated_device_backend), the rank on the CPU
+    # Test hook (tests/multiproc/test_device_collectives.py), read here and nowhere else: HPCTRAIN_EMULATE_NCCL=1
+    # runs the NCCL path on a CPU-only torch, its device entries served by gloo (emulated_device_backend), the rank
+    # on the CPU
     emulate = os.environ.get("HPCTRAIN_EMULATE_NCCL") == "1"
     backend = "nccl" if emulate else choose_backend(backend)
     device = torch.device("cpu") if emulate else bind_device(ident, backend)

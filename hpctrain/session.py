@@ -107,7 +107,7 @@ def _build_mesh(s: Session) -> None:
 
 
 def inject_fault(point: str, rank: int) -> None:
-    """Test hook of the fault campaign (tests/test_faults_launch.py), read here and nowhere else:
+    """Test hook of the fault campaign (tests/cluster/test_faults_launch.py), read here and nowhere else:
     HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<point> makes that rank raise, or send itself the signal, at `point`
     (rendezvous: identity known, before torch.distributed; ready: mesh checked, before the payload)."""
     spec = os.environ.get("HPCTRAIN_FAULT", "")

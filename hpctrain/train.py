@@ -86,7 +86,7 @@ class Trainer:
         if self.pm.plan is not None:
             self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, s.mesh.pp_rank, self.pp_group,
                                           self.device, cfg.train.grad_accum, self._pipeline_loss)
-        # None except in tests/test_grad_scale_mutations.py
+        # None except in tests/multiproc/test_grad_scale_mutations.py
         self.mutation = mutations.gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)
         log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
                  "(micro %d x accum %d x dp %d), lr %.3g", self.pm.dims.num_params() / 1e6,

@@ -189,32 +189,49 @@ def counting_all_gathers(counter: list[int]):
 
 
 def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
-    """Trains one case; rank 0 saves {"losses", "grad_norms", "skipped", "scales", "weights", "fsdp", "gathers"} to
-    `out`. grad_norms: the global pre-clip norm of each step (inf on a step skipped for non-finite gradients)."""
+    """Trains one case with the product's own loop (Trainer.fit, checkpoints off) and watches every step through
+    fit's on_step; rank 0 saves {"losses", "grad_norms", "skipped", "scales", "weights", "fsdp", "gathers"} to
+    `out`. grad_norms: the global pre-clip norm of each step (inf on a step skipped for non-finite gradients);
+    gathers: FSDP's all-gathers during the last step. inject_inf_step: the last rank's gradients turn infinite
+    in that step."""
     from hpctrain import session
     from hpctrain.config import load_config
+    from hpctrain.metrics import host_values
     from hpctrain.train import Trainer
 
-    cfg = load_config(None, TINY + overrides + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
+    cfg = load_config(None, TINY + ["checkpoint.every_steps=0", "checkpoint.at_end=false"] + overrides
+                      + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
+    steps = cfg.train.steps
     with session.start(cfg) as s:
         tr = Trainer(cfg, s)
-        losses, norms, skipped, scales = [], [], [], []
-        gathers = [0]
-        for step in range(cfg.train.steps):
-            if inject_inf_step and step + 1 == inject_inf_step and s.rank == s.ident.world_size - 1:
+        poison = inject_inf_step and s.rank == s.ident.world_size - 1
+        rows, gathers = [], [0]
+        counting = contextlib.ExitStack()
+
+        def before(step: int) -> None:  # what runs ahead of `step`
+            if poison and step == inject_inf_step:
                 _poison_next_gradients(tr)
-            last = step + 1 == cfg.train.steps
-            with counting_all_gathers(gathers) if last else contextlib.nullcontext():
-                row = tr.train_step()
-            losses.append(row["loss"])
-            norms.append(float(row["grad_norm"]))
-            skipped.append(row["skipped"])
-            scales.append(row["loss_scale"])
+            if step == steps:
+                counting.enter_context(counting_all_gathers(gathers))
+
+        def watch(row: dict) -> None:
+            rows.append(host_values(row))
+            if row["step"] == steps:
+                counting.close()
+            before(row["step"] + 1)
+
+        before(1)
+        with counting:
+            summary = tr.fit(on_step=watch)
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)) and summary["losses"] == [
+            r["loss"] for r in rows]
         weights = full_weights(tr.model)
         if s.rank == 0:
-            torch.save({"losses": losses, "grad_norms": norms, "skipped": skipped, "scales": scales, "weights": weights,
-                        "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0]}, out)
-    return {"losses": losses}
+            torch.save({"losses": summary["losses"], "grad_norms": [float(r["grad_norm"]) for r in rows],
+                        "skipped": [bool(r["skipped"]) for r in rows], "scales": [r["loss_scale"] for r in rows],
+                        "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0]},
+                       out)
+    return {"losses": summary["losses"]}
 
 
 def _poison_next_gradients(tr: Trainer) -> None:

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+
 from helpers import EXAMPLE, hpctrain, only_run_dir, run_mpiexec
 
 SMALL = ["-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1"]

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner, Result
-from helpers import EXAMPLE, REPO, env_with_venv, only_run_dir, tool
 
+from helpers import EXAMPLE, REPO, env_with_venv, only_run_dir, tool
 from hpctrain.checkpoint import HDF5Reader, HDF5Writer
 from hpctrain.cli import main as cli
 from hpctrain.config import load_config

@@ -9,8 +9,8 @@ import subprocess
 import time
 
 import pytest
-from helpers import write_lock
 
+from helpers import write_lock
 from hpctrain.checkpoint.lock import CheckpointDirLocked, acquire
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 from faults import record
-from helpers import EXAMPLE
 
+from helpers import EXAMPLE
 from hpctrain import launch
 from hpctrain.config import load_config
 

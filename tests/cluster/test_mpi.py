@@ -15,6 +15,7 @@ import time
 
 import pytest
 from faults import record
+
 from helpers import EXAMPLE, REPO, env_with_venv, read_summary, run_mpiexec, tool
 
 pytestmark = pytest.mark.mpi

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from faults import record
-from helpers import EXAMPLE, REPO, assert_bitwise_equal, env_with_venv, hpctrain, only_run_dir, stored_datasets, tool
 
+from helpers import EXAMPLE, REPO, assert_bitwise_equal, env_with_venv, hpctrain, only_run_dir, stored_datasets, tool
 from hpctrain.checkpoint.manager import committed
 
 pytestmark = pytest.mark.slurm

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLE, WORKERS, free_base_port, only_run_dir, spawn_ranks
 
+from helpers import EXAMPLE, WORKERS, free_base_port, only_run_dir, spawn_ranks
 from hpctrain.bench.colls import COLLS
 from hpctrain.bench.sweep import bus_factor
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from faults import record
-from helpers import WORKERS, assert_bitwise_equal, free_base_port, spawn_ranks, stored_datasets
 
+from helpers import WORKERS, assert_bitwise_equal, free_base_port, spawn_ranks, stored_datasets
 from hpctrain.checkpoint.manager import committed
 
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]

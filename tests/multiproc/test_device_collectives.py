@@ -26,6 +26,7 @@ import sys
 import time
 
 import pytest
+
 from helpers import REPO, WORKERS, env_with_venv
 
 NCCL_ERROR = "No backend type associated with device type cpu"

@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 import pytest
 from faults import record
-from helpers import SMALL, flip_a_byte, hpctrain
 
+from helpers import SMALL, flip_a_byte, hpctrain
 from hpctrain import fsutil, session
 from hpctrain.checkpoint import hdf5_storage
 from hpctrain.checkpoint import manager as mgr_mod

@@ -11,6 +11,7 @@ import resource
 
 import pytest
 from faults import record
+
 from helpers import EXAMPLE, hpctrain
 
 pytestmark = pytest.mark.faults

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+
 from helpers import (
     LOSS_TOL,
     NORM_RTOL,
@@ -25,7 +26,6 @@ from helpers import (
     run_case,
     spawn_train_worker,
 )
-
 from hpctrain.mutations import MUTATION_ENV, MUTATIONS, gradient_mutation
 
 CLIP_OFF = ["train.grad_clip=0"]  # nothing clipped: the losses cannot see a gradient scale

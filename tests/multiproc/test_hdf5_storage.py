@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import WORKERS, free_base_port, reference, spawn_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
+from helpers import WORKERS, free_base_port, reference, spawn_ranks
 from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.checkpoint.h5file import chunk_shape as _chunk_shape
 from hpctrain.checkpoint.index import json_decode, json_encode

@@ -11,8 +11,8 @@ import json
 import sys
 
 import torch
-from helpers import TINY, WORKERS, free_base_port, spawn_ranks, touched
 
+from helpers import TINY, WORKERS, free_base_port, spawn_ranks, touched
 from hpctrain.config import load_config
 from hpctrain.model import init_value
 

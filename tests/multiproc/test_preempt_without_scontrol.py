@@ -13,8 +13,8 @@ import sys
 
 import pytest
 from faults import record
-from helpers import BIN, EXAMPLE, REPO, env_with_venv, only_run_dir
 
+from helpers import BIN, EXAMPLE, REPO, env_with_venv, only_run_dir
 from hpctrain.checkpoint.manager import committed
 
 

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, env_with_venv
 
+from helpers import REPO, env_with_venv
 from hpctrain import netaddr
 
 WORKER = r"""

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+
 from helpers import (
     BF16_LOSS_TOL,
     BF16_NORM_RTOL,
@@ -105,7 +106,7 @@ def test_pipeline_four_stages_match_single_process(results, case) -> None:
 
 
 def test_pipeline_zero3_gathers_parameters_once_per_step(results) -> None:
-    """Under pp, ZeRO-3's FSDP modules do not reshard after forward (parallelize.reshard_after_forward): each gathers
+    """Under pp, ZeRO-3's FSDP modules do not reshard after forward (parallel.data.reshard_after_forward): each gathers
     its parameters once in a step of 4 micro-batches. Plain dp ZeRO-3 still reshards its blocks after forward and
     gathers them again for backward."""
     pp = results["pp2dp2_zero3"]

@@ -9,8 +9,8 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, flip_a_byte
 
+from helpers import SMALL, flip_a_byte
 from hpctrain import session
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt

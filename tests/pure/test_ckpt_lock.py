@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from faults import record
-from helpers import REPO, write_lock
 
+from helpers import REPO, write_lock
 from hpctrain.checkpoint import lock
 from hpctrain.checkpoint.lock import NAME, CheckpointDirLocked, acquire, this_holder
 

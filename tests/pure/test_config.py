@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import REPO
 
+from helpers import REPO
 from hpctrain.config import Config, JobConfig, dump_toml, load_config
 
 EXAMPLES = REPO / "slurm" / "examples"

@@ -13,8 +13,8 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, refused
 
+from helpers import REPO, refused
 from hpctrain.config import DataConfig
 from hpctrain.data import (
     EOS,

@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 import pytest
 from faults import record
-from helpers import refused
 
+from helpers import refused
 from hpctrain import data, runs, tokenfiles
 from hpctrain.config import SECTIONS, DataConfig, TrainConfig, load_config
 

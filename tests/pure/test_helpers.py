@@ -5,6 +5,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+
 from helpers import assert_bitwise_equal, stored_datasets
 
 

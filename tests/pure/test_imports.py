@@ -22,26 +22,29 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
-    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "bench/__init__", "bench/pattern",
-     "bench/sweep", "checkpoint/h5file", "checkpoint/index"],
-    # 1: run directories, token files, who am I, the rank arithmetic, the single-device model and its pipeline
-    # stages, the GEMM probe, DCP planners, the checkpoint lock
-    ["runs", "tokenfiles", "rendezvous", "mesh", "model", "pipeline", "bench/gemm", "checkpoint/planners",
+    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "parallel/__init__",
+     "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file", "checkpoint/index"],
+    # 1: run directories, token files, who am I, the rank arithmetic, the single-device model, pipeline stages,
+    # the GEMM probe, DCP planners, the checkpoint lock
+    ["runs", "tokenfiles", "rendezvous", "mesh", "model", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
      "checkpoint/lock"],
-    # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once
-    ["plan"],
+    # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; one
+    # module per parallelism
+    ["plan", "parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data"],
     # 3: what the trainer is made of
-    ["watchdog", "session", "parallelize", "optim", "data", "metrics", "bench/colls", "checkpoint/hdf5_storage",
-     "checkpoint/state"],
+    ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
+     "checkpoint/hdf5_storage", "checkpoint/state"],
     # 4
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout"],
-    # 5
+    # 5: the checkpoint directory's lifecycle
     ["checkpoint/manager"],
-    # 6: the jobs (what one rank runs) and the login-node readers
+    # 6: a run's checkpoint policy
+    ["checkpoint/checkpointer"],
+    # 7: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 7: submission, on the login node (torch only when a dry run checks the model)
+    # 8: submission, on the login node (torch only when a dry run checks the model)
     ["launch"],
-    # 8: the `hpctrain` command
+    # 9: the `hpctrain` command
     ["cli"],
 ]
 

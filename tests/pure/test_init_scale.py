@@ -11,11 +11,12 @@ import math
 
 import pytest
 import torch
-from helpers import TINY, counting_tiles, touched
 
-from hpctrain import parallelize, session
+from helpers import TINY, counting_tiles, touched
+from hpctrain import session
 from hpctrain.config import ModelConfig, load_config
 from hpctrain.model import INIT_TILE, ModelDims, init_slice, init_value
+from hpctrain.parallel import materialize
 
 DIMS = ModelDims.from_config(ModelConfig(n_layers=4))
 TR, TC = INIT_TILE
@@ -72,8 +73,8 @@ SMALL = TINY + ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "data.seq
 
 def counting_fills(monkeypatch) -> list[int]:
     calls: list[int] = []
-    real = parallelize.init_weights
-    monkeypatch.setattr(parallelize, "init_weights", lambda *a: calls.append(1) or real(*a))
+    real = materialize.init_weights
+    monkeypatch.setattr(materialize, "init_weights", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

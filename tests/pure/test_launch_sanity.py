@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 from faults import record
-from helpers import EXAMPLE
 
+from helpers import EXAMPLE
 from hpctrain import launch, preempt
 from hpctrain.config import load_config
 

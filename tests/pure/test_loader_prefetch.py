@@ -150,7 +150,7 @@ def test_training_with_prefetch_equals_training_without(tmp_path) -> None:
             tr = Trainer(cfg, s)
             assert isinstance(tr.loader, PrefetchLoader) == (depth > 0)
             out = tr.fit()
-            got[depth] = (out["losses"], tr._extra()["data"])
+            got[depth] = (out["losses"], tr.loader.state_dict())
             assert not prefetch_threads()  # fit ended it
     assert got[0] == got[2]
     assert got[2][1]["samples_seen"] == 5 * 2 * 2

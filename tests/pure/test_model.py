@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from helpers import REPO
 
+from helpers import REPO
 from hpctrain import model
 from hpctrain.cli import main as cli
 from hpctrain.config import ModelConfig, load_config

@@ -7,7 +7,7 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.model import ModelDims, Transformer
-from hpctrain.pipeline import StagePlan, balanced_layers, prune, stage_module
+from hpctrain.parallel.pipeline import StagePlan, balanced_layers, prune, stage_module
 from hpctrain.plan import make_plan
 
 

@@ -10,14 +10,14 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from helpers import EXAMPLE, TINY
 
+from helpers import EXAMPLE, TINY
 from hpctrain import mesh, plan, session
 from hpctrain.cli import main as cli
 from hpctrain.config import load_config
 from hpctrain.mesh import Layout, block_placement
 from hpctrain.model import ModelDims
-from hpctrain.pipeline import StagePlan, describe
+from hpctrain.parallel.pipeline import StagePlan, describe
 from hpctrain.plan import make_plan, with_training
 from hpctrain.train import Trainer
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import REPO
 
+from helpers import REPO
 from hpctrain import launch
 from hpctrain.cli import main
 from hpctrain.config import load_config

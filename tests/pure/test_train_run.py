@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import EXAMPLE
 
-from hpctrain import optim, pipeline, session
+from helpers import EXAMPLE
+from hpctrain import optim, session
 from hpctrain.cli import main as cli
 from hpctrain.config import load_config
-from hpctrain.train import Trainer, host_values
+from hpctrain.metrics import host_values
+from hpctrain.parallel import pipeline
+from hpctrain.train import Trainer
 
 
 @pytest.mark.parametrize("sets, fragment", [
@@ -132,6 +134,11 @@ def test_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path, monkeyp
         assert row["skipped"] is False and not torch.equal(tr.params[0], weights["tok_embeddings.weight"])
 
 
+# The per-step agreements, one read each (see their owners): the preemption poll, the checkpointer's SAVE_NOW and
+# background-write flags.
+AGREEMENTS = ("preempt.py:poll", "checkpointer.py:_requests")
+
+
 def test_fit_reads_the_device_on_log_steps_only(tmp_path, monkeypatch) -> None:
     cfg = load_config(None, STEP_CASE + [f"job.run_root={tmp_path}"])
     monkeypatch.setattr(optim, "build_optimizer", fused_adamw)
@@ -148,7 +155,7 @@ def test_fit_reads_the_device_on_log_steps_only(tmp_path, monkeypatch) -> None:
     for r in reads[reads.index("step 1"):]:
         if r.startswith("step "):
             current = per_step.setdefault(int(r.split()[1]), [])
-        elif not r.startswith("preempt.py:"):  # the preemption poll's agreement, every step (see its owner)
+        elif r not in AGREEMENTS:
             current.append(r)
     assert {k for k, v in per_step.items() if v} == {1, 3, 6}, per_step  # log_every = 3, the first and the last
     assert out["losses"] == want
@@ -158,7 +165,7 @@ def test_untimed_pipeline_step_takes_no_barrier_and_no_time(monkeypatch) -> None
     """Timing a pipeline step (for the bubble) puts barriers around it and synchronises the device: only the steps
     the trainer logs are timed; the others run the schedule alone."""
     barriers, seen = [], []
-    stage = pipeline._timed_stage_class().__new__(pipeline._timed_stage_class())
+    stage = pipeline.timed_stage_class().__new__(pipeline.timed_stage_class())
     stage.busy_s, stage._events, stage.timing, stage.device = 0.0, [], True, torch.device("cpu")
 
     class Schedule:
@@ -170,6 +177,7 @@ def test_untimed_pipeline_step_takes_no_barrier_and_no_time(monkeypatch) -> None
         torch.device("cpu"), None
     pipe.busy_s = pipe.wall_s = 0.0
     pipe.steps = 0
+    pipe.shapes_known = False
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: barriers.append(group))
     pipe.step(torch.zeros(1), torch.zeros(1), timed=False)
     assert barriers == [] and seen == [False] and stage.busy_s == 0.0

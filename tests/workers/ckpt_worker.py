@@ -12,23 +12,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY, full_weights  # noqa: E402
-
 from hpctrain import session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
 
-def _signal_after(trainer: Trainer, step: int) -> None:
-    """Sends this process Slurm's warning signal (USR2) right after `step`, as a preemption would."""
-    real = trainer.train_step
-
-    def step_then_signal(*args, **kwargs):
-        row = real(*args, **kwargs)
-        if trainer.step == step:
+def signal_after(step: int):
+    """An on_step watcher for Trainer.fit: sends this process Slurm's warning signal (USR2) right after `step`, as
+    a preemption would."""
+    def watch(row: dict) -> None:
+        if row["step"] == step:
             os.kill(os.getpid(), signal.SIGUSR2)
-        return row
-
-    trainer.train_step = step_then_signal
+    return watch
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:
@@ -41,9 +36,8 @@ def main(out: str, cases_json: str, base_port: int) -> None:
         try:
             with session.start(cfg) as s:
                 trainer = Trainer(cfg, s)
-                if case.get("preempt_at") and s.rank == 0:
-                    _signal_after(trainer, case["preempt_at"])
-                res = trainer.fit()
+                preempt_at = case.get("preempt_at") if s.rank == 0 else None
+                res = trainer.fit(on_step=signal_after(preempt_at) if preempt_at else None)
                 weights = full_weights(trainer.model)
                 if s.rank == 0:
                     torch.save({"losses": res["losses"], "resumed_from": res["resumed_from"], "weights": weights,

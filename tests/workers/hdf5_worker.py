@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import LAYOUTS, reference  # noqa: E402
-
 from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer  # noqa: E402
 
 

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY, counting_tiles  # noqa: E402
-
-from hpctrain import model, parallelize, session  # noqa: E402
+from hpctrain import model, session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
+from hpctrain.parallel import compose, materialize  # noqa: E402
 
 
 def worker(out: str, cases_json: str, base_port: int) -> None:
@@ -32,11 +32,11 @@ def worker(out: str, cases_json: str, base_port: int) -> None:
             cfg = load_config(None, TINY + case["overrides"] + [f"job.run_root={out}/{case['name']}-runs"])
             with session.start(cfg) as s:
                 drawn = counting_tiles(pytest.MonkeyPatch())
-                pm = parallelize.build(cfg, s.mesh, s.device)
+                pm = compose.build(cfg, s.mesh, s.device)
                 pieces = {}
                 for name, p in pm.model.named_parameters():
                     name = model.clean_name(name)
-                    offset, local_shape = parallelize.shard_box(p)
+                    offset, local_shape = materialize.shard_box(p)
                     local = p.to_local() if isinstance(p, DTensor) else p
                     pieces[name] = {"shape": tuple(p.shape), "offset": offset, "local": local.detach().clone(),
                                     "drawn": drawn.get(name, 0)}

@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import run_case  # noqa: E402
-
 from hpctrain.mutations import MUTATION_ENV  # noqa: E402
 
 
