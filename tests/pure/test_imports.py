@@ -23,7 +23,8 @@ PKG = ROOT / "hpctrain"
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
     ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "parallel/__init__",
-     "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file", "checkpoint/index"],
+     "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
+     "checkpoint/index"],
     # 1: run directories, token files, who am I, the rank arithmetic, the single-device model, pipeline stages,
     # the GEMM probe, DCP planners, the checkpoint lock
     ["runs", "tokenfiles", "rendezvous", "mesh", "model", "parallel/pipeline", "bench/gemm", "checkpoint/planners",

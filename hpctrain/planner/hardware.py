@@ -1,0 +1,201 @@
+"""Hardware profiles for the planner: the figures its compute term divides FLOPs by (dense matmul peak per dtype),
+the memory a layout must fit in (HBM per GPU), and the two links its communication terms run on: the intra-node
+fabric (NVLink/xGMI) that tensor parallelism uses and the per-GPU inter-node network (InfiniBand/RoCE) that data
+parallelism and FSDP cross.
+
+GPU figures are vendor datasheet values, dense (a figure a datasheet gives only "with sparsity" is halved here);
+links are the per-direction bandwidth one GPU sees, which is what a ring collective's bus bandwidth approaches.
+They are ceilings, not achievable rates: the planner applies its own efficiency factors. The "cpu" profile is
+measured on the project's development machine (benchmarks/results). Anything can be changed per run:
+
+    hw = profile("h100-sxm", {"inter_node_gbps": 25, "peak_bf16": 800})   # overrides, validated
+    hw = profile("h100-sxm", bandwidths_from_bench("run/bench.jsonl"))     # links measured by `hpctrain bench`
+    hw.peak("bf16")                                                         # TFLOP/s per GPU
+
+Pure: imports nothing of hpctrain and no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # "fp32": plain FP32 (no TF32); the others on tensor/matrix cores
+NUMBERS = ("memory_gb", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
+OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: Mapping[str, float]  # dense TFLOP/s per GPU, per matmul input dtype (DTYPES); absent: not offered
+    memory_gb: float  # HBM per GPU as sold (GB)
+    intra_node_gbps: float  # per GPU, per direction, inside a node (GB/s)
+    inter_node_gbps: float  # per GPU, per direction, between nodes (GB/s)
+    gpus_per_node: int
+    source: str  # where the figures come from
+    measured: bool = False  # figures measured on a machine rather than taken from datasheets
+
+    def __post_init__(self) -> None:
+        peaks = dict(self.peak_tflops)
+        bad = [f"{d}={v!r}" for d, v in peaks.items() if d not in DTYPES or not _positive(v)]
+        if not peaks or bad:
+            raise ValueError(f"{self.name}: peak_tflops needs positive numbers for dtypes among {', '.join(DTYPES)}"
+                             f" (got {', '.join(bad) or 'none'})")
+        for key in NUMBERS:
+            if not _positive(getattr(self, key)):
+                raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be a positive finite number")
+        if not isinstance(self.gpus_per_node, int):
+            raise ValueError(f"{self.name}: gpus_per_node={self.gpus_per_node!r} must be a whole number")
+        object.__setattr__(self, "peak_tflops", MappingProxyType(peaks))  # profiles are shared: read-only
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak TFLOP/s per GPU for matmuls whose inputs are `dtype`."""
+        if dtype not in self.peak_tflops:
+            raise ValueError(f"{self.name} has no {dtype!r} peak; it has {', '.join(self.peak_tflops)}")
+        return self.peak_tflops[dtype]
+
+    def with_overrides(self, **fields: Any) -> Hardware:
+        """A copy with some figures replaced: any of OVERRIDABLE (peak_<dtype> sets that dtype's peak). The
+        source records what was overridden."""
+        unknown = [k for k in fields if k not in OVERRIDABLE]
+        if unknown:
+            raise ValueError(f"{self.name}: unknown override(s) {', '.join(map(repr, unknown))}; valid: "
+                             f"{', '.join(OVERRIDABLE)}")
+        for key, value in fields.items():
+            if not _positive(value) or (key == "gpus_per_node" and not isinstance(value, int)):
+                kind = "a positive whole number" if key == "gpus_per_node" else "a positive finite number"
+                raise ValueError(f"{self.name}: override {key}={value!r} must be {kind}")
+        if not fields:
+            return self  # frozen: sharing is safe
+        peaks = dict(self.peak_tflops)
+        peaks.update({k.removeprefix("peak_"): float(v) for k, v in fields.items() if k.startswith("peak_")})
+        numbers = {k: v for k, v in fields.items() if k in NUMBERS}
+        said = ", ".join(f"{k}={v}" for k, v in fields.items())
+        return dataclasses.replace(self, peak_tflops=peaks, source=f"{self.source}; overridden: {said}", **numbers)
+
+
+# Dense peaks copied from hpctrain.metrics.DATASHEET_TFLOPS (which imports torch, so it is not imported here); the
+# tests check both tables agree. A part a dtype is missing from does not have it.
+A100 = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}  # A100 datasheet, SXM (40 GB and 80 GB equal)
+H100_SXM = {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2}  # H100 datasheet
+# H100 datasheet, H100 PCIe column: tensor figures given with sparsity (756 / 1513 / 3026), halved
+H100_PCIE = {"fp32": 51.0, "tf32": 756 / 2, "bf16": 1513 / 2, "fp16": 1513 / 2, "fp8": 3026 / 2}
+H200 = dict(H100_SXM)  # H200 datasheet, H200 SXM column: the same tensor cores and clocks as H100 SXM
+B200 = {"fp32": 75.0, "tf32": 2200 / 2, "bf16": 4500 / 2, "fp16": 4500 / 2, "fp8": 9000 / 2}  # HGX B200, halved
+MI250X = {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2}  # MI250X datasheet, per GCD (package / 2)
+MI300X = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}  # MI300X datasheet, dense
+
+# Links, per GPU and per direction (datasheets quote NVLink/xGMI as both directions added: halved here):
+#   NVLink 3 (A100 SXM) 600 GB/s total -> 300; NVLink 4 (H100/H200 SXM) 900 -> 450; NVLink 5 (B200) 1.8 TB/s -> 900.
+#   H100 PCIe: its NVLink bridge joins only pairs of cards, so a ring over a node's 8 cards runs on PCIe Gen5 x16,
+#   128 GB/s total -> 64 (a tp=2 group on a bridged pair sees 300: override intra_node_gbps).
+#   MI250X: one xGMI link is 50 GB/s per direction (ROCm MI250 microarchitecture page); GCDs of different packages
+#   on a Frontier/LUMI-style board are joined by one or two links, so an 8-GCD ring is bounded by one link -> 50.
+#   MI300X: 7 xGMI links per GPU to the 7 others, 64 GB/s per direction each (128 GB/s per link, 896 GB/s
+#   aggregate on the datasheet) -> 7 x 64 = 448 for collectives spread over all links, as NVLink's 450.
+# Inter-node, one NIC per GPU (rail-optimised designs): HDR 200 Gb/s = 25 GB/s (DGX A100); NDR 400 Gb/s = 50 GB/s
+#   (DGX H100/H200/B200: 8 x ConnectX-7; MI300X platforms with 8 x 400G). MI250X (HPE Cray EX, Frontier/LUMI): one
+#   200 Gb/s Slingshot NIC per package, shared by its two GCDs -> 12.5. PCIe servers often have fewer NICs than GPUs.
+_NV = "NVIDIA"
+PROFILES: dict[str, Hardware] = {h.name: h for h in (
+    Hardware("a100-40g", A100, 40, 300, 25, 8, f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU"),
+    Hardware("a100-80g", A100, 80, 300, 25, 8, f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU"),
+    Hardware("h100-sxm", H100_SXM, 80, 450, 50, 8, f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU"),
+    Hardware("h100-pcie", H100_PCIE, 80, 64, 50, 8, f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s"),
+    Hardware("h200", H200, 141, 450, 50, 8, f"{_NV} H200 datasheet (SXM, 141 GB); NVLink 4; NDR 400 Gb/s per GPU"),
+    # DGX B200 user guide: 8 GPUs, 1,440 GB in all -> 180 GB each; 8 x ConnectX-7 400 Gb/s
+    Hardware("b200", B200, 180, 900, 50, 8, f"{_NV} Blackwell datasheet (HGX B200); DGX B200 user guide; NVLink 5"),
+    # 128 GB per package, 64 GB per GCD; 8 GCDs (4 packages) per node
+    Hardware("mi250x", MI250X, 64, 50, 12.5, 8, "AMD Instinct MI250X datasheet, per GCD; ROCm MI250 "
+             "microarchitecture (xGMI); HPE Cray EX node (Slingshot 200 Gb/s per package)"),
+    Hardware("mi300x", MI300X, 192, 448, 50, 8, "AMD Instinct MI300X datasheet; 8-GPU xGMI platform; 400 Gb/s/GPU"),
+    # This machine, 2 cores, 24 GB. Peak: the fp32 GEMM probe (hpctrain/bench/gemm.py, n=1024, 2 threads), best of
+    # 24 rounds in benchmarks/results/train_overhead.json: 0.194 TFLOP/s (median 0.067: the machine is shared).
+    # Links: `hpctrain bench` all_reduce over gloo, world group of 4 ranks on this host (as the tiny-cpu example
+    # runs: 2 simulated nodes x 2 ranks), largest size 16 MiB: busbw 0.58 GB/s (benchmarks/results/bench-4ranks.jsonl).
+    # Every "node" is on this host, so inter-node is the same loopback figure. No bf16 rate was measured.
+    Hardware("cpu", {"fp32": 0.194}, 24, 0.58, 0.58, 2, "measured here: GEMM probe in "
+             "benchmarks/results/train_overhead.json; gloo all_reduce busbw in benchmarks/results/bench-4ranks.jsonl",
+             measured=True),
+)}
+
+
+def profile(name: str, overrides: Mapping[str, Any] | None = None) -> Hardware:
+    """The profile called `name`, with `overrides` (keys of OVERRIDABLE, positive numbers) applied."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown hardware profile {name!r}; valid: {', '.join(PROFILES)}")
+    table = isinstance(overrides, Mapping) and all(isinstance(k, str) for k in overrides)
+    if overrides is not None and not table:
+        raise ValueError(f"overrides for {name} must be a table of named figures, not {overrides!r}")
+    return PROFILES[name].with_overrides(**dict(overrides or {}))
+
+
+BENCH_GROUPS = {"intra": "intra_node_gbps", "inter": "inter_node_gbps"}
+MAX_BENCH_BYTES = 16 << 20  # a bench.jsonl is a few KB; refuse anything absurd before reading it
+
+
+def bandwidths_from_bench(path: str | Path, world_is_one_node: bool = False) -> dict[str, float]:
+    """Link bandwidths measured by `hpctrain bench`, as profile overrides: from its JSON lines (bench.jsonl, or the
+    -J copy; one object per line as hpctrain.bench.sweep.Row.to_json writes it), the all_reduce bus bandwidth
+    (GB/s, best placement) at the largest size measured on the torch backend, for each group found:
+    `--group intra` gives intra_node_gbps and `--group inter` (the same local rank of every node, so one GPU's own
+    network path) gives inter_node_gbps. A run measures one group: concatenate the files of both runs.
+
+    Rows do not say how many nodes a run had, so world-group rows are used only when the caller knows the job ran
+    on one node (world_is_one_node: the world group is then the intra group). On several nodes a world ring's bus
+    bandwidth approaches the node's NIC bandwidth summed over its GPUs, neither figure here, so it is not used;
+    nor are tp/dp/pp groups, whose placement the file does not record. Only the groups found are returned.
+
+    The file is untrusted: parsed with json.loads only, every row's fields checked, and a ValueError names the
+    file, the line and the offending key."""
+    path = Path(path)
+    if path.stat().st_size > MAX_BENCH_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes is too large for a bench results file")
+    best: dict[str, tuple[int, float]] = {}
+    groups: set[str] = set()
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {n} is not JSON ({e.msg}); expected `hpctrain bench` JSON lines") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {n} is a {type(row).__name__}, not a result row (a JSON object)")
+        for key, kind in (("coll", str), ("group", str), ("backend", str), ("size", int)):
+            if key not in row:
+                raise ValueError(f"{path}: line {n}: key {key!r} is missing")
+            if not isinstance(row[key], kind) or isinstance(row[key], bool) or (kind is int and row[key] <= 0):
+                raise ValueError(f"{path}: line {n}: key {key!r} is {row[key]!r}, not a "
+                                 f"{'positive whole number' if kind is int else 'string'}")
+        measured = []
+        for key in ("ip_busbw", "oop_busbw"):
+            if key not in row:
+                raise ValueError(f"{path}: line {n}: key {key!r} is missing")
+            if row[key] is not None and not _positive(row[key]):
+                raise ValueError(f"{path}: line {n}: key {key!r} is {row[key]!r}, not a positive finite number "
+                                 "(GB/s) or null")
+            if row[key] is not None:
+                measured.append(float(row[key]))
+        groups.add(row["group"])
+        target = BENCH_GROUPS.get(row["group"]) or ("intra_node_gbps" if row["group"] == "world" and
+                                                    world_is_one_node else None)
+        if row["coll"] != "all_reduce" or row["backend"] != "torch" or target is None:
+            continue
+        if not measured:
+            raise ValueError(f"{path}: line {n}: keys 'ip_busbw' and 'oop_busbw' are both null")
+        best[target] = max(best.get(target, (0, 0.0)), (row["size"], max(measured)))  # largest size, best bw
+    if not best:
+        raise ValueError(f"{path}: no torch all_reduce result on the intra or inter group (groups found: "
+                         f"{', '.join(sorted(groups)) or 'none'}); run `hpctrain bench all_reduce --group intra` "
+                         "and `--group inter`")
+    return {key: bw for key, (_, bw) in best.items()}

@@ -1,0 +1,241 @@
+"""Pure tier for the planner's hardware profiles (hpctrain/planner/hardware.py): every profile complete and
+positive, the dense peaks equal to the trainer's MFU table (hpctrain.metrics.DATASHEET_TFLOPS), the profile and
+override errors, and link bandwidths read from `hpctrain bench` results written the way benchjob writes them,
+including the refusal of malformed files.
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_planner_hardware.py
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from hpctrain.bench.sweep import Row, bandwidths
+from hpctrain.planner import hardware
+from hpctrain.planner.hardware import DTYPES, OVERRIDABLE, PROFILES, bandwidths_from_bench, profile
+
+NAMES = ["a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi250x", "mi300x", "cpu"]
+GPUS = [n for n in NAMES if n != "cpu"]
+# profile -> the metrics.DATASHEET_TFLOPS part with the same silicon and clocks
+SAME_PART = {"a100-40g": "NVIDIA A100 SXM", "a100-80g": "NVIDIA A100 SXM", "h100-sxm": "NVIDIA H100 SXM",
+             "h200": "NVIDIA H200", "b200": "NVIDIA B200", "mi250x": "AMD Instinct MI250X",
+             "mi300x": "AMD Instinct MI300X"}
+
+
+def test_exactly_the_issue_profiles():
+    assert list(PROFILES) == NAMES
+    assert all(PROFILES[n].name == n for n in NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_profile_complete_and_positive(name):
+    hw = PROFILES[name]
+    assert hw.peak_tflops and set(hw.peak_tflops) <= set(DTYPES)
+    for value in [*hw.peak_tflops.values(), hw.memory_gb, hw.intra_node_gbps, hw.inter_node_gbps]:
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    assert isinstance(hw.gpus_per_node, int) and hw.gpus_per_node > 0
+    assert hw.source.strip()
+    assert hw.peak("fp32") == hw.peak_tflops["fp32"]  # every part has plain FP32
+    assert hw.intra_node_gbps >= hw.inter_node_gbps  # the node's fabric is never slower than its network
+    assert hw.measured == (name == "cpu")
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_gpu_tensor_peaks_above_fp32(name):
+    hw = PROFILES[name]
+    assert hw.peak("bf16") > hw.peak("fp32") and hw.peak("fp16") == hw.peak("bf16")
+    if "tf32" in hw.peak_tflops:
+        assert hw.peak("fp32") < hw.peak("tf32") < hw.peak("bf16")
+    if "fp8" in hw.peak_tflops:
+        assert hw.peak("fp8") == pytest.approx(2 * hw.peak("bf16"), rel=1e-3)  # datasheets round
+    assert hw.gpus_per_node == 8
+
+
+def test_peaks_equal_metrics_datasheet_table():
+    from hpctrain.metrics import DATASHEET_TFLOPS  # imports torch: only here, never in the planner
+    assert set(SAME_PART.values()) == set(DATASHEET_TFLOPS)  # every part the trainer knows has a profile
+    for name, part in SAME_PART.items():
+        assert dict(PROFILES[name].peak_tflops) == DATASHEET_TFLOPS[part], name
+
+
+def test_planner_imports_without_torch():
+    code = "import sys, hpctrain.planner.hardware; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_documented_figures():
+    """The figures the report and the comments state (dense: sparse datasheet figures halved)."""
+    assert PROFILES["h100-pcie"].peak("bf16") == 756.5 and PROFILES["h100-pcie"].peak("fp32") == 51.0
+    assert PROFILES["h100-sxm"].intra_node_gbps == 450 and PROFILES["h100-sxm"].inter_node_gbps == 50
+    assert PROFILES["a100-40g"].memory_gb == 40 and PROFILES["a100-40g"].inter_node_gbps == 25
+    assert PROFILES["mi250x"].peak("bf16") == 383.0 / 2 and "tf32" not in PROFILES["mi250x"].peak_tflops
+
+
+def test_cpu_links_are_the_bench_results_here():
+    """The cpu profile's links are the 16 MiB gloo all_reduce of benchmarks/results/bench-4ranks.jsonl (4 ranks,
+    one host: the world group is the intra group)."""
+    got = bandwidths_from_bench(REPO / "benchmarks/results/bench-4ranks.jsonl", world_is_one_node=True)
+    assert round(got["intra_node_gbps"], 2) == PROFILES["cpu"].intra_node_gbps == PROFILES["cpu"].inter_node_gbps
+    result = json.loads((REPO / "benchmarks/results/train_overhead.json").read_text())
+    assert round(result["gemm_tflops_best"], 3) == PROFILES["cpu"].peak("fp32")
+
+
+def test_peak_error_names_part_and_dtypes():
+    with pytest.raises(ValueError, match=r"mi250x has no 'tf32' peak; it has fp32, bf16, fp16"):
+        PROFILES["mi250x"].peak("tf32")
+    with pytest.raises(ValueError, match=r"cpu has no 'bf16' peak; it has fp32"):
+        PROFILES["cpu"].peak("bf16")
+
+
+def test_unknown_profile_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown hardware profile 'h100'; valid: a100-40g, .*mi300x, cpu"):
+        profile("h100")
+
+
+def test_overrides_apply_to_a_copy():
+    hw = profile("a100-80g", {"inter_node_gbps": 12.5, "peak_bf16": 250, "peak_fp8": 500, "gpus_per_node": 4})
+    assert (hw.inter_node_gbps, hw.peak("bf16"), hw.peak("fp8"), hw.gpus_per_node) == (12.5, 250.0, 500.0, 4)
+    assert hw.peak("fp32") == 19.5 and hw.memory_gb == 80 and hw.name == "a100-80g"
+    assert "overridden: inter_node_gbps=12.5, peak_bf16=250" in hw.source
+    base = PROFILES["a100-80g"]
+    assert (base.inter_node_gbps, base.peak("bf16"), base.gpus_per_node) == (25, 312.0, 8)
+    assert "fp8" not in base.peak_tflops and "fp8" not in PROFILES["a100-40g"].peak_tflops  # shared dict untouched
+    assert profile("h200") is PROFILES["h200"] and profile("h200", {}) is PROFILES["h200"]
+    assert PROFILES["h200"].with_overrides(memory_gb=96).memory_gb == 96
+
+
+def test_profiles_are_read_only():
+    with pytest.raises(TypeError):
+        PROFILES["h100-sxm"].peak_tflops["bf16"] = 1.0  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        PROFILES["h100-sxm"].memory_gb = 1  # type: ignore[misc]
+
+
+def test_unknown_override_named_with_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown override\(s\) 'memory_GB'; valid: memory_gb, .*peak_fp8"):
+        profile("h100-sxm", {"memory_GB": 80})
+    with pytest.raises(ValueError, match=r"unknown override\(s\) 'peak_int8'"):
+        profile("h100-sxm", {"peak_int8": 1.0})
+    assert "name" not in OVERRIDABLE and "source" not in OVERRIDABLE
+
+
+@pytest.mark.parametrize("key, value", [
+    ("memory_gb", -80), ("memory_gb", 0), ("intra_node_gbps", math.nan), ("inter_node_gbps", math.inf),
+    ("peak_bf16", "989"), ("peak_bf16", True), ("peak_fp32", None), ("gpus_per_node", 4.5), ("gpus_per_node", 0),
+])
+def test_override_values_must_be_positive_numbers(key, value):
+    with pytest.raises(ValueError, match=rf"h100-sxm: override {key}={value!r} must be a positive"):
+        profile("h100-sxm", {key: value})
+
+
+def test_overrides_must_be_a_table():
+    with pytest.raises(ValueError, match=r"overrides for b200 must be a table of named figures, not \[\("):
+        profile("b200", [("memory_gb", 1)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"overrides for b200 must be a table of named figures, not \{1: 2\}"):
+        profile("b200", {1: 2})  # type: ignore[dict-item]
+
+
+def test_invalid_profile_refused_at_construction():
+    with pytest.raises(ValueError, match=r"x: peak_tflops needs .*\(got int4=1\.0\)"):
+        hardware.Hardware("x", {"int4": 1.0}, 1, 1, 1, 1, "test")
+    with pytest.raises(ValueError, match=r"x: intra_node_gbps=-1 must be a positive"):
+        hardware.Hardware("x", {"fp32": 1.0}, 1, -1, 1, 1, "test")
+
+
+# --- bandwidths from `hpctrain bench` results ---
+
+def bench_row(coll: str, size: int, group: str, time_us: float, nranks: int = 8, backend: str = "torch") -> Row:
+    """One measured row as harness.run_benchmark builds it (torch has only the in-place all_reduce)."""
+    algbw, busbw = bandwidths(size, time_us / 1e6, coll, nranks)
+    res = {"time_us": time_us, "algbw": algbw, "busbw": busbw, "wrong": 0}
+    out = res if backend == "mpi" or coll != "all_reduce" else None
+    return Row(coll=coll, size=size, count=size // 4, dtype="float", op="sum", root=0, nranks=nranks, group=group,
+               backend=backend, algo="flat", out=out, inp=res)
+
+
+def write_bench(path, rows: list[Row]):
+    """Exactly benchjob.run_collectives' writer of bench.jsonl (and of the -J copy)."""
+    data = [r.to_json() for r in rows]
+    path.write_text("".join(json.dumps(d) + "\n" for d in data))
+    return path
+
+
+MIB = 1 << 20
+
+
+def test_bandwidths_from_intra_and_inter_runs(tmp_path):
+    intra = [bench_row("all_reduce", MIB, "intra", 10.0),  # small size, higher busbw: not the largest size
+             bench_row("all_reduce", 256 * MIB, "intra", 1500.0),
+             bench_row("all_gather", 512 * MIB, "intra", 100.0)]  # another collective: ignored
+    inter = [bench_row("all_reduce", 64 * MIB, "inter", 4000.0, nranks=4),
+             bench_row("all_reduce", 512 * MIB, "inter", 1.0, nranks=4, backend="mpi")]  # MPI host buffers: ignored
+    path = write_bench(tmp_path / "both.jsonl", intra + inter)  # two runs' files concatenated
+    got = bandwidths_from_bench(path)
+    assert got == pytest.approx({"intra_node_gbps": 256 * MIB / 1500e-6 / 1e9 * 2 * 7 / 8,
+                                 "inter_node_gbps": 64 * MIB / 4000e-6 / 1e9 * 2 * 3 / 4})
+    hw = profile("h100-sxm", got)  # the result is a valid set of overrides
+    assert hw.intra_node_gbps == got["intra_node_gbps"] and hw.inter_node_gbps == got["inter_node_gbps"]
+
+
+def test_bandwidths_only_what_was_measured(tmp_path):
+    path = write_bench(tmp_path / "bench.jsonl", [bench_row("all_reduce", 16 * MIB, "intra", 200.0)])
+    assert list(bandwidths_from_bench(path)) == ["intra_node_gbps"]
+
+
+def test_world_group_only_when_one_node(tmp_path):
+    path = write_bench(tmp_path / "bench.jsonl", [bench_row("all_reduce", 16 * MIB, "world", 200.0),
+                                                  bench_row("all_reduce", 16 * MIB, "tp", 100.0)])
+    with pytest.raises(ValueError, match=r"bench.jsonl: no torch all_reduce result on the intra or inter group "
+                                         r"\(groups found: tp, world\)"):
+        bandwidths_from_bench(path)
+    got = bandwidths_from_bench(path, world_is_one_node=True)
+    assert got == pytest.approx({"intra_node_gbps": 16 * MIB / 200e-6 / 1e9 * 2 * 7 / 8})
+
+
+def good_line() -> dict:
+    return bench_row("all_reduce", 16 * MIB, "intra", 200.0).to_json()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("group"), r"line 2: key 'group' is missing"),
+    (lambda d: d.pop("ip_busbw"), r"line 2: key 'ip_busbw' is missing"),
+    (lambda d: d.update(size="16M"), r"line 2: key 'size' is '16M', not a positive whole number"),
+    (lambda d: d.update(size=True), r"line 2: key 'size' is True"),
+    (lambda d: d.update(coll=["all_reduce"]), r"line 2: key 'coll' is \['all_reduce'\], not a string"),
+    (lambda d: d.update(ip_busbw=-3.0), r"line 2: key 'ip_busbw' is -3.0, not a positive finite number"),
+    (lambda d: d.update(ip_busbw=math.nan), r"line 2: key 'ip_busbw' is nan"),
+    (lambda d: d.update(oop_busbw=math.inf), r"line 2: key 'oop_busbw' is inf"),
+    (lambda d: d.update(ip_busbw="48.1"), r"line 2: key 'ip_busbw' is '48.1'"),
+    (lambda d: d.update(ip_busbw=None), r"line 2: keys 'ip_busbw' and 'oop_busbw' are both null"),
+])
+def test_malformed_rows_refused(tmp_path, change, message):
+    bad = good_line()
+    change(bad)
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(good_line()) + "\n" + json.dumps(bad) + "\n")  # json.dumps writes NaN as NaN
+    with pytest.raises(ValueError, match=rf"bad\.jsonl: {message}"):
+        bandwidths_from_bench(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"coll": "all_reduce", ', r"line 1 is not JSON"),
+    ("[1, 2, 3]\n", r"line 1 is a list, not a result row"),
+    ("\n\n", r"no torch all_reduce result .*\(groups found: none\)"),
+])
+def test_malformed_files_refused(tmp_path, text, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"bad\.jsonl: {message}"):
+        bandwidths_from_bench(path)
+
+
+def test_oversized_file_refused(tmp_path, monkeypatch):
+    path = write_bench(tmp_path / "big.jsonl", [bench_row("all_reduce", MIB, "intra", 10.0)])
+    monkeypatch.setattr(hardware, "MAX_BENCH_BYTES", 16)
+    with pytest.raises(ValueError, match=r"big\.jsonl: \d+ bytes is too large"):
+        bandwidths_from_bench(path)
