@@ -19,7 +19,7 @@ from hpctrain import mesh
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.model import ModelDims
+    from hpctrain.dims import ModelDims
     from hpctrain.parallel.pipeline import StagePlan
 
 
@@ -51,7 +51,7 @@ def make_plan(cfg: Config, node_of_rank: Sequence[int], training: bool | None = 
 
 def with_training(plan: Plan, cfg: Config) -> Plan:
     """plan (its layout checked) with the model dimensions, pipeline stages and batch plan of cfg on it."""
-    from hpctrain.model import ModelDims
+    from hpctrain.dims import ModelDims
     from hpctrain.parallel import pipeline
 
     tp, dp = plan.layout.tp, plan.layout.dp

@@ -25,27 +25,29 @@ LEVELS: list[list[str]] = [
     ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "parallel/__init__",
      "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
      "checkpoint/index"],
-    # 1: run directories, token files, who am I, the rank arithmetic, the single-device model, pipeline stages,
-    # the GEMM probe, DCP planners, the checkpoint lock
-    ["runs", "tokenfiles", "rendezvous", "mesh", "model", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
+    # 1: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
+    # GEMM probe, DCP planners, the checkpoint lock
+    ["runs", "tokenfiles", "rendezvous", "mesh", "dims", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
      "checkpoint/lock"],
-    # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; one
-    # module per parallelism
-    ["plan", "parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data"],
-    # 3: what the trainer is made of
+    # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
+    # single-device model
+    ["plan", "model"],
+    # 3: one module per parallelism; the planner's model-state memory
+    ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory"],
+    # 4: what the trainer is made of
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state"],
-    # 4
+    # 5
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout"],
-    # 5: the checkpoint directory's lifecycle
+    # 6: the checkpoint directory's lifecycle
     ["checkpoint/manager"],
-    # 6: a run's checkpoint policy
+    # 7: a run's checkpoint policy
     ["checkpoint/checkpointer"],
-    # 7: the jobs (what one rank runs) and the login-node readers
+    # 8: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 8: submission, on the login node (torch only when a dry run checks the model)
+    # 9: submission, on the login node (torch only when a dry run checks the model)
     ["launch"],
-    # 9: the `hpctrain` command
+    # 10: the `hpctrain` command
     ["cli"],
 ]
 

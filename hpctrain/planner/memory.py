@@ -1,0 +1,111 @@
+"""Model-state memory per GPU, as hpctrain builds the parallel model (hpctrain.parallel): the bytes of parameters,
+gradients and AdamW state each rank holds, from the plan alone (no torch, no process group).
+
+    states = model_states(plan, zero_stage, precision, rank_coords)    # {"params", "grads", "optimizer"} bytes
+    worst = max_model_states(plan, zero_stage, precision)              # the rank that runs out first
+
+What each rank holds (P: the parameters of its pipeline stages, each cut by tensor parallel; N: dp size):
+- tensor parallel: q/k/v, gate/up and the output projection are split along dim 0, o/down along dim 1, the
+  embedding along the vocabulary (dim 0); norms are whole on every rank.
+- parameters are fp32 masters. zero 0-1 (DDP, ZeroRedundancyOptimizer) and dp = 1: the module's own P.
+  zero 3 (FSDP2): a dim-0 shard, padded to ceil(rows / N) rows on every rank. zero 2, and zero 3 under pipeline
+  parallel (parallel.data.reshard_after_forward): the gathered parameters (N padded shards) in the compute dtype
+  (bf16/fp16 under mixed precision, else fp32) held from forward to the end of backward, beside the fp32 shard.
+- gradients: fp32 like the masters: P for zero 0-1, plus, under tensor parallel, the whole embedding table's on
+  the rank that holds the embedding (the vocab-parallel embedding's backward writes a full-size gradient); the
+  padded shard for zero 2-3 (FSDP reduce-scatters into it).
+- AdamW (exp_avg, exp_avg_sq): twice the masters' local elements in fp32 (FSDP: the unpadded shard); ZeRO-1
+  only for the parameters ZeroRedundancyOptimizer gives the rank: whole tensors, largest first, each to the rank
+  with the fewest elements so far (its greedy partition, per parameter group: matrices, then 1-D parameters).
+Autocast's cached low-precision weight copies, activations and buffers are not model states (activations.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpctrain.dims import ModelDims
+    from hpctrain.plan import Plan
+
+LOW = {"bf16": 2, "fp16": 2}  # compute dtype bytes under mixed precision; fp32 otherwise
+COLWISE = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
+           "feed_forward.w3.weight", "output.weight", "tok_embeddings.weight")
+ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int = 0
+    dp: int = 0
+
+
+def tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape one tensor-parallel rank holds of a parameter (full shape `shape`)."""
+    if tp == 1 or len(shape) == 1:
+        return shape
+    if name.endswith(COLWISE):
+        return (shape[0] // tp, *shape[1:])
+    if name.endswith(ROWWISE):
+        return (shape[0], shape[1] // tp)
+    raise ValueError(f"no tensor-parallel rule for {name}")
+
+
+def stage_shapes(plan: Plan, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the parameters pipeline rank pp_rank holds (all of them without pipeline parallel)."""
+    dims: ModelDims = plan.dims
+    if plan.stages is None:
+        return dims.param_shapes()
+    mine = plan.stages.stages_of(pp_rank)
+    return dims.param_shapes(plan.stages.blocks_of(pp_rank), embedding=0 in mine, head=plan.stages.last in mine)
+
+
+def dim0_shard(shape: tuple[int, ...], n: int, rank: int, padded: bool) -> int:
+    """Elements of FSDP2's dim-0 shard on dp rank `rank` of n: ceil(rows / n) rows (the padded storage every rank
+    has), or the rows that rank really holds."""
+    rest = math.prod(shape[1:])
+    chunk = -(-shape[0] // n)
+    rows = chunk if padded else max(0, min(chunk, shape[0] - rank * chunk))
+    return rows * rest
+
+
+def zero1_partition(shapes: dict[str, tuple[int, ...]], n: int) -> list[int]:
+    """Elements of the parameters ZeroRedundancyOptimizer assigns to each of n ranks (its greedy rule)."""
+    sizes = [0] * n
+    groups = [[s for s in shapes.values() if len(s) >= 2], [s for s in shapes.values() if len(s) < 2]]
+    for group in groups:
+        for numel in sorted((math.prod(s) for s in group), reverse=True):  # stable: ties keep their order
+            r = sizes.index(min(sizes))
+            sizes[r] += numel
+    return sizes
+
+
+def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on the rank at `coords` (every tp rank of a pp and dp
+    coordinate holds the same amount: dimensions divide by tp)."""
+    tp, n = plan.layout.tp, plan.layout.dp
+    zero = zero_stage if n > 1 else -1
+    shapes = stage_shapes(plan, coords.pp)
+    local = {k: tp_local(k, s, tp) for k, s in shapes.items()}
+    whole = sum(math.prod(s) for s in local.values())
+    if zero in (-1, 0, 1):
+        # the vocab-parallel embedding's backward writes a gradient of the whole table on every tp rank
+        emb = shapes.get("tok_embeddings.weight")
+        extra = math.prod(emb) - math.prod(local["tok_embeddings.weight"]) if emb and tp > 1 else 0
+        optimizer = 8 * (zero1_partition(local, n)[coords.dp] if zero == 1 else whole)
+        return {"params": 4 * whole, "grads": 4 * (whole + extra), "optimizer": optimizer}
+    padded = sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values())
+    held = sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values())
+    gathered = zero == 2 or plan.stages is not None  # parameters stay whole (padded rows too) through the step
+    params = 4 * padded + (LOW.get(precision, 4) * padded * n if gathered else 0)
+    return {"params": params, "grads": 4 * padded, "optimizer": 8 * held}
+
+
+def max_model_states(plan: Plan, zero_stage: int, precision: str) -> dict[str, int]:
+    """Each component and the total on the rank that holds the most of it (they may be different ranks)."""
+    pp = plan.layout.pp
+    every = [model_states(plan, zero_stage, precision, Coords(p, d)) for p in range(pp) for d in range(plan.layout.dp)]
+    out = {k: max(s[k] for s in every) for k in ("params", "grads", "optimizer")}
+    out["total"] = max(sum(s.values()) for s in every)
+    return out
