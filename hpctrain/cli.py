@@ -227,6 +227,34 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 
 
 @main.command()
+@CONFIG_ARG
+@SET_OPT
+@click.option("--gpu", default=None, help="Hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, h200, b200, "
+              "mi250x, mi300x, cpu); default: cpu when job.gpus_per_node = 0, else h100-sxm.")
+@click.option("--storage-gbps", default=5.0, type=float, show_default=True,
+              help="Aggregate checkpoint write/read bandwidth the file system gives the job (GB/s).")
+@click.option("--node-mtbf-h", default=None, type=float, help="A node's mean time between failures (hours); "
+              "default 6000 (Llama 3 report's interruption rate).")
+@click.option("--json", "as_json", is_flag=True, help="Print the prediction as one JSON object.")
+@user_errors
+def plan(config: str, overrides: tuple[str, ...], gpu: str | None, storage_gbps: float, node_mtbf_h: float | None,
+         as_json: bool) -> None:
+    """Predict what CONFIG's layout costs per GPU (model-state memory) and what its checkpoints cost, before any
+    GPU time is spent."""
+    import json
+
+    from hpctrain.planner import ckpt_cost, hardware, report
+
+    cfg = _load(config, overrides)
+    name = gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "h100-sxm")
+    try:
+        out = report.evaluate(cfg, hardware.profile(name), storage_gbps, node_mtbf_h or ckpt_cost.NODE_MTBF_H)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(json.dumps(out, indent=1) if as_json else report.describe(out))
+
+
+@main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--out", default=None, type=click.Path(dir_okay=False),
               help="PNG path (default RUN_DIR/training.png)")

@@ -30,13 +30,13 @@ LEVELS: list[list[str]] = [
     ["runs", "tokenfiles", "rendezvous", "mesh", "dims", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
      "checkpoint/lock"],
     # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
-    # single-device model
-    ["plan", "model"],
+    # single-device model; what checkpoints cost
+    ["plan", "model", "planner/ckpt_cost"],
     # 3: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory"],
     # 4: what the trainer is made of
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
-     "checkpoint/hdf5_storage", "checkpoint/state"],
+     "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
     # 5
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout"],
     # 6: the checkpoint directory's lifecycle

@@ -1,0 +1,86 @@
+"""`hpctrain plan` as far as it goes (issue 15): checkpoint size against a checkpoint the trainer really writes,
+the Young/Daly interval and the preemption-warning check, the model-state verdict on the 70B example, and the
+command's text and JSON output and its errors."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from helpers import REPO, SMALL
+from hpctrain import session
+from hpctrain.cli import main as cli
+from hpctrain.config import load_config
+from hpctrain.planner.ckpt_cost import checkpoint_bytes, checkpoint_cost, payload_bytes
+from hpctrain.planner.hardware import profile
+from hpctrain.planner.report import evaluate
+
+LLAMA = REPO / "slurm" / "examples" / "llama-70b.toml"
+
+
+def test_checkpoint_size_matches_a_written_checkpoint(tmp_path) -> None:
+    """A model other than the one the header constant was measured on: 3 blocks, grouped-query attention."""
+    from hpctrain.train import Trainer
+    cfg = load_config(None, SMALL + ["model.n_layers=3", "model.dim=48", "model.n_heads=4", "model.n_kv_heads=2",
+                                     "train.steps=1", f"job.run_root={tmp_path}"])
+    with session.start(cfg) as s:
+        Trainer(cfg, s).fit()
+        ckpt = next((s.run_dir / "checkpoints").glob("step_*"))
+    import h5py
+
+    from hpctrain.dims import ModelDims
+    real = sum(f.stat().st_size for f in ckpt.iterdir())
+    stored = []
+    with h5py.File(ckpt / "shard-0.h5") as f:
+        f.visititems(lambda name, obj: stored.append(obj.size * obj.dtype.itemsize)
+                     if isinstance(obj, h5py.Dataset) else None)
+    dims = ModelDims.from_config(cfg.model)
+    # the tensors' bytes to 1% (the JSON hyperparameters are the rest); with the headers, which are most of a toy
+    # checkpoint (1 MB of 2.5 MB here) and nothing of a real one, to 15%
+    assert abs(payload_bytes(dims, 1) / sum(stored) - 1) < 0.01, (payload_bytes(dims, 1), sum(stored))
+    assert abs(checkpoint_bytes(dims, 1) / real - 1) < 0.15, (checkpoint_bytes(dims, 1), real)
+
+
+def test_young_daly_and_the_warning() -> None:
+    c = checkpoint_cost(100e9, storage_gbps=10, nodes=100, node_mtbf_h=5000, signal_delay_s=5)
+    assert c["save_s"] == pytest.approx(10) and c["job_mtbf_h"] == pytest.approx(50)
+    assert c["young_daly_interval_s"] == pytest.approx(math.sqrt(2 * 10 * 50 * 3600))
+    assert c["fits_warning"] is False
+    assert checkpoint_cost(100e9, 10, 100, 5000, signal_delay_s=20)["fits_warning"] is True
+    assert checkpoint_cost(100e9, 10, 100, 5000)["fits_warning"] is None
+    with pytest.raises(ValueError, match="storage_gbps = 0"):
+        checkpoint_cost(1, 0, 1)
+
+
+def test_70b_fits_with_zero3_and_not_without() -> None:
+    cfg = load_config(LLAMA, [])
+    ok = evaluate(cfg, profile("h100-sxm"), 5.0)
+    assert ok["fits"] and ok["layout"] == {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3}
+    # 70.55e9 parameters / tp 8: ZeRO-3 shards 16 bytes each over dp 16
+    assert ok["memory_gb_per_gpu"] == pytest.approx(70.554e9 / 8 * 16 / 16 / 1e9, rel=0.01)
+    bad = evaluate(load_config(LLAMA, ["parallel.zero_stage=0"]), profile("a100-40g"), 5.0)
+    assert not bad["fits"] and any("does not fit: model states alone need" in n for n in bad["notes"])
+
+
+def test_save_longer_than_the_warning_is_named() -> None:
+    out = evaluate(load_config(LLAMA, ["job.signal_delay_s=60"]), profile("h100-sxm"), 1.0)
+    assert any("longer than job.signal_delay_s = 60" in n for n in out["notes"]), out["notes"]
+
+
+def test_plan_command(tmp_path) -> None:
+    runner = CliRunner()
+    text = runner.invoke(cli, ["plan", str(LLAMA)])
+    assert text.exit_code == 0 and "-> fits" in text.output and "Young/Daly" in text.output, text.output
+    out = runner.invoke(cli, ["plan", str(LLAMA), "--json", "--gpu", "h200", "--set", "parallel.tp=4", "--set",
+                              "parallel.dp=32"])
+    got = json.loads(out.output)
+    assert got["gpu"] == "h200" and got["layout"]["tp"] == 4 and set(got) >= {
+        "memory_gb_per_gpu", "step_time_s", "tokens_per_s", "checkpoint", "fits", "notes"}
+    for args, fragment in ((["--gpu", "x100"], "unknown hardware profile 'x100'"),
+                           (["--set", "parallel.tp=3"], "tp"), (["--storage-gbps", "-1"], "storage_gbps = -1")):
+        r = runner.invoke(cli, ["plan", str(LLAMA), *args])
+        assert r.exit_code == 2 and fragment in r.output, (args, r.output)
+    assert Path(LLAMA).is_file()
