@@ -79,14 +79,16 @@ def main() -> None:
 @SET_OPT
 @click.option("--dry-run", is_flag=True, help="Validate config and layout, print the sbatch script, submit nothing.")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit non-zero if it fails.")
+@click.option("--no-memory-check", is_flag=True, help="Submit even when the planner predicts the layout does not fit.")
 @user_errors
-def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -> None:
+def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool, no_memory_check: bool) -> None:
     """Submit CONFIG as a job: to Slurm when it is reachable, else run locally."""
     from hpctrain import launch, mesh
 
     cfg = _load(config, overrides)
     if dry_run:
         plan = launch.check_layout(cfg, click.echo, strict_data=False)
+        launch.predict_fit(cfg, plan, click.echo, memory_check=not no_memory_check)
         layout = plan.layout
         if cfg.world_size <= 512:
             rows = mesh.rank_table(layout, plan.node_of_rank)
@@ -98,7 +100,7 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool) -
                    f"nothing submitted\n")
         click.echo(launch.render_sbatch(cfg, Path(cfg.job.run_root).absolute() / "<run dir>" / "submitit"))
         return
-    _submit(cfg, wait)
+    _submit(cfg, wait, memory_check=not no_memory_check)
 
 
 class CliTask:
@@ -115,12 +117,14 @@ def train_argv(config_path: Path, run_dir: Path) -> list[str]:
     return ["train", str(config_path), "--run-dir", str(run_dir)]
 
 
-def _submit(cfg: Config, wait: bool, argv: Callable[[Path, Path], list[str]] = train_argv) -> Path:
+def _submit(cfg: Config, wait: bool, argv: Callable[[Path, Path], list[str]] = train_argv,
+            memory_check: bool = True) -> Path:
     """Submits (train by default, or the given command line) and optionally follows the job."""
     from hpctrain import launch
 
     try:
-        run_dir, job, kind = launch.submit(cfg, lambda cfg_path, rdir: CliTask(argv(cfg_path, rdir)), echo=click.echo)
+        run_dir, job, kind = launch.submit(cfg, lambda cfg_path, rdir: CliTask(argv(cfg_path, rdir)), echo=click.echo,
+                                           memory_check=memory_check)
     except launch.SubmitError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"submitted job {job.job_id} ({kind}); run directory {run_dir}")
@@ -230,7 +234,7 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @CONFIG_ARG
 @SET_OPT
 @click.option("--gpu", default=None, help="Hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, h200, b200, "
-              "mi250x, mi300x, cpu); default: cpu when job.gpus_per_node = 0, else h100-sxm.")
+              "mi250x, mi300x, cpu); default: job.gpu, else cpu when job.gpus_per_node = 0, else h100-sxm.")
 @click.option("--storage-gbps", default=5.0, type=float, show_default=True,
               help="Aggregate checkpoint write/read bandwidth the file system gives the job (GB/s).")
 @click.option("--node-mtbf-h", default=None, type=float, help="A node's mean time between failures (hours); "
@@ -246,7 +250,7 @@ def plan(config: str, overrides: tuple[str, ...], gpu: str | None, storage_gbps:
     from hpctrain.planner import ckpt_cost, hardware, report
 
     cfg = _load(config, overrides)
-    name = gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "h100-sxm")
+    name = gpu or cfg.job.gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "h100-sxm")
     try:
         out = report.evaluate(cfg, hardware.profile(name), storage_gbps, node_mtbf_h or ckpt_cost.NODE_MTBF_H)
     except ValueError as e:

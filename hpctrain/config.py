@@ -86,6 +86,9 @@ class JobConfig:
     mpi: str = "pmi2"
     srun_args: list[str] = field(default_factory=list)  # more srun options, after ours, e.g. "--cpu-bind=none"
     wait_timeout_s: int = 120  # how long --wait waits for results after the job left the queue
+    # hardware profile the planner checks the layout against before submission (hpctrain plan --gpu: a100-40g,
+    # a100-80g, h100-sxm, h100-pcie, h200, b200, mi250x, mi300x, cpu); "": cpu when gpus_per_node = 0, else none
+    gpu: str = ""
 
     def __post_init__(self) -> None:
         _check_fields("job", self, one_line=True)

@@ -223,6 +223,33 @@ def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
     return plan
 
 
+def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) -> dict | None:
+    """Prints the planner's prediction (memory per GPU, checkpoint cost) of a training plan for job.gpu (cpu when
+    the job asks for no GPUs); ValueError when the layout cannot fit and memory_check is on. None when nothing is
+    predicted (no training, or GPUs of an unnamed kind)."""
+    if not plan.training:
+        return None
+    from hpctrain.planner import ckpt_cost, hardware, report
+
+    name = cfg.job.gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "")
+    if not name:
+        echo("planner: set job.gpu (e.g. h100-sxm) to check the layout's memory before submission")
+        return None
+    try:
+        hw = hardware.profile(name)
+    except ValueError as e:
+        raise ValueError(f"job.gpu = {name!r}: {e}") from None
+    out = report.evaluate(cfg, hw, storage_gbps=5.0, node_mtbf_h=ckpt_cost.NODE_MTBF_H, plan=plan)
+    echo("planner: " + report.describe(out).replace("\n", "\nplanner: "))
+    if not out["fits"] and memory_check:
+        raise ValueError(f"the layout does not fit on {hw.name}: model states alone need "
+                         f"{out['memory_gb_per_gpu']:.1f} GB per GPU of {hw.memory_gb:g} GB (parameters "
+                         f"{out['model_states_gb']['params']:.1f}, gradients {out['model_states_gb']['grads']:.1f}, "
+                         f"AdamW {out['model_states_gb']['optimizer']:.1f}); shard more (parallel.zero_stage, tp, "
+                         f"pp) or submit with --no-memory-check to try anyway")
+    return out
+
+
 def make_executor(kind: str, cfg: Config, folder: Path):
     import submitit
     if kind == "slurm":
@@ -235,10 +262,11 @@ def make_executor(kind: str, cfg: Config, folder: Path):
     return ex
 
 
-def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=print) -> tuple[Path, Any, str]:
+def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=print,
+           memory_check: bool = True) -> tuple[Path, Any, str]:
     """Validates, makes a fresh run directory, submits. On failure nothing is left behind. task(config_path,
     run_dir) is the picklable callable every task of the job runs (hpctrain.cli.CliTask: one command line)."""
-    check_layout(cfg, echo)
+    predict_fit(cfg, check_layout(cfg, echo), echo, memory_check)
     kind, why = choose_executor(cfg)
     if kind == "slurm":
         check_cluster(cfg, echo)

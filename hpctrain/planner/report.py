@@ -20,14 +20,18 @@ from hpctrain.planner.memory import max_model_states
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
+    from hpctrain.plan import Plan
     from hpctrain.planner.hardware import Hardware
 
 GB = 1e9
 
 
-def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float = NODE_MTBF_H) -> dict[str, Any]:
-    """The prediction for cfg's own layout on hw (ValueError for a layout that cannot run, as a submission)."""
-    plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node), training=True)
+def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float = NODE_MTBF_H,
+             plan: Plan | None = None) -> dict[str, Any]:
+    """The prediction for cfg's own layout on hw: of `plan` when the caller has made it (a submission), else of
+    the plan made here (ValueError for a layout that cannot run, as a submission)."""
+    if plan is None:
+        plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node), training=True)
     states = max_model_states(plan, cfg.parallel.zero_stage, cfg.train.precision)
     ckpt = checkpoint_cost(checkpoint_bytes(plan.dims, cfg.world_size), storage_gbps, cfg.job.nodes, node_mtbf_h,
                            cfg.job.signal_delay_s)

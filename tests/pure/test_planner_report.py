@@ -84,3 +84,19 @@ def test_plan_command(tmp_path) -> None:
         r = runner.invoke(cli, ["plan", str(LLAMA), *args])
         assert r.exit_code == 2 and fragment in r.output, (args, r.output)
     assert Path(LLAMA).is_file()
+
+
+def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
+    assert ok.exit_code == 0 and "planner: memory per GPU (largest rank): model states 8.82 GB of 80 GB" in ok.output
+    args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
+    bad = runner.invoke(cli, args)
+    assert bad.exit_code == 2 and "does not fit on a100-40g: model states alone need 144.8 GB per GPU of 40 GB" \
+        in bad.output and "#SBATCH" not in bad.output, bad.output
+    forced = runner.invoke(cli, args + ["--no-memory-check"])
+    assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
+    unnamed = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run"])
+    assert unnamed.exit_code == 0 and "set job.gpu" in unnamed.output
+    wrong = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100"])
+    assert wrong.exit_code == 2 and "job.gpu = 'h100': unknown hardware profile 'h100'" in wrong.output
