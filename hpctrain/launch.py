@@ -242,11 +242,12 @@ def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) 
     out = report.evaluate(cfg, hw, storage_gbps=5.0, node_mtbf_h=ckpt_cost.NODE_MTBF_H, plan=plan)
     echo("planner: " + report.describe(out).replace("\n", "\nplanner: "))
     if not out["fits"] and memory_check:
-        raise ValueError(f"the layout does not fit on {hw.name}: model states alone need "
-                         f"{out['memory_gb_per_gpu']:.1f} GB per GPU of {hw.memory_gb:g} GB (parameters "
-                         f"{out['model_states_gb']['params']:.1f}, gradients {out['model_states_gb']['grads']:.1f}, "
-                         f"AdamW {out['model_states_gb']['optimizer']:.1f}); shard more (parallel.zero_stage, tp, "
-                         f"pp) or submit with --no-memory-check to try anyway")
+        st = out["model_states_gb"]
+        raise ValueError(f"the layout does not fit on {hw.name}: {out['memory_gb_per_gpu']:.1f} GB per GPU predicted "
+                         f"of {hw.memory_gb:g} GB (parameters {st['params']:.1f}, gradients {st['grads']:.1f}, AdamW "
+                         f"{st['optimizer']:.1f}, activations {out['activations_gb']:.1f}, +{out['memory_margin']:.0%}"
+                         f"); shard more (parallel.zero_stage, tp, pp), recompute (train.ac), shrink the micro-batch, "
+                         f"or submit with --no-memory-check to try anyway")
     return out
 
 

@@ -1,12 +1,15 @@
 """One layout's prediction, as `hpctrain plan` prints it: the plan's checks (the same make_plan a submission runs),
-model-state memory per GPU on the rank that holds the most, and the checkpoint's size, save and load time,
-Young/Daly interval and preemption-warning check. Pure: no torch, no process group.
+memory per GPU (model states on the rank that holds the most, plus the activations of the micro-batches in flight
+on the busiest pipeline rank), step time, throughput, MFU and HFU (timing.py), and the checkpoint's size, save and
+load time, Young/Daly interval and preemption-warning check. Pure: no torch, no process group.
 
     out = evaluate(cfg, profile("h100-sxm"), storage_gbps=5.0)
     print(describe(out))            # or json.dumps(out)
 
-Activation memory and step time are not predicted yet (issue 15 goes on): `memory_gb_per_gpu` counts model states
-only, a lower bound, and says so in `notes`; a layout whose model states alone exceed the GPU's memory cannot fit.
+Micro-batches in flight on pipeline rank 0 (the one with the embedding and the most): 1 without pipeline
+parallel, pp for 1F1B, all m for GPipe, and for interleaved schedules pp + (pp - 1) / v rounded up, per virtual
+stage's blocks; these counts follow the schedules' definitions and are not yet measured here. Not counted:
+communication buffers, the allocator's fragmentation (MARGIN is added for it), the CUDA context.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain import mesh
 from hpctrain.plan import make_plan
+from hpctrain.planner import timing
+from hpctrain.planner.activations import ActivationModel, mode_of
 from hpctrain.planner.ckpt_cost import NODE_MTBF_H, checkpoint_bytes, checkpoint_cost
 from hpctrain.planner.memory import max_model_states
 
@@ -24,6 +29,42 @@ if TYPE_CHECKING:
     from hpctrain.planner.hardware import Hardware
 
 GB = 1e9
+MARGIN = 0.10  # of the predicted bytes, for the allocator's fragmentation and buffers not modelled
+
+
+def in_flight(schedule: str, pp: int, virtual: int, microbatches: int) -> int:
+    """Micro-batches whose activations pipeline rank 0 holds at once (see the module docstring)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    if virtual == 1:
+        return min(pp, microbatches)
+    return min(microbatches * virtual, pp * virtual + pp - 1) // virtual + 1
+
+
+def activation_bytes(cfg: Config, plan: Plan) -> float:
+    """Peak activation bytes on the busiest rank: pipeline rank 0 (embedding, most micro-batches in flight)."""
+    p, t, lay = cfg.parallel, cfg.train, plan.layout
+    model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
+    tokens = plan.micro_batch * cfg.data.seq_len
+    blocks = len(plan.stages.blocks_of(0)) if plan.stages else plan.dims.n_layers
+    head = plan.stages is None or plan.stages.last in plan.stages.stages_of(0)
+    per_micro = model.micro_batch_bytes(plan.dims, tokens, blocks, t.ac, t.ac_every, embedding=True, head=head)
+    held = per_micro * in_flight(p.pp_schedule, lay.pp, p.pp_virtual_stages, t.grad_accum)
+    if t.ac != "none":  # backward recomputes one checkpointed block at a time, keeping its full set meanwhile
+        held += model.block_bytes(plan.dims, tokens)
+    return held
+
+
+def time_estimate(cfg: Config, plan: Plan, hw: Hardware) -> timing.TimeEstimate:
+    p, t, lay = cfg.parallel, cfg.train, plan.layout
+    return timing.estimate(timing.Shape.of(plan.dims), hw, seq_len=cfg.data.seq_len, global_batch=plan.global_batch,
+                           micro_batch=plan.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+                           virtual_stages=p.pp_virtual_stages, schedule=p.pp_schedule, zero_stage=p.zero_stage,
+                           sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
+                           precision=t.precision, reduce_dtype=t.reduce_dtype,
+                           efficiency=1.0 if hw.measured else None)
 
 
 def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float = NODE_MTBF_H,
@@ -33,14 +74,16 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
     if plan is None:
         plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node), training=True)
     states = max_model_states(plan, cfg.parallel.zero_stage, cfg.train.precision)
+    acts = activation_bytes(cfg, plan)
+    total = (states["total"] + acts) * (1 + MARGIN)
+    est = time_estimate(cfg, plan, hw)
     ckpt = checkpoint_cost(checkpoint_bytes(plan.dims, cfg.world_size), storage_gbps, cfg.job.nodes, node_mtbf_h,
                            cfg.job.signal_delay_s)
-    notes = list(plan.notes) + ["memory_gb_per_gpu counts model states only (parameters, gradients, AdamW): "
-                                "activations and buffers come on top, not predicted yet"]
-    fits = states["total"] <= hw.memory_gb * GB
+    notes = list(plan.notes)
+    fits = total <= hw.memory_gb * GB
     if not fits:
-        notes.append(f"does not fit: model states alone need {states['total'] / GB:.1f} GB per GPU, "
-                     f"{hw.name} has {hw.memory_gb:g} GB")
+        notes.append(f"does not fit: {total / GB:.1f} GB per GPU predicted (model states {states['total'] / GB:.1f}, "
+                     f"activations {acts / GB:.1f}, +{MARGIN:.0%}), {hw.name} has {hw.memory_gb:g} GB")
     if ckpt["fits_warning"] is False:
         notes.append(f"a checkpoint save takes about {ckpt['save_s']:.0f} s at {storage_gbps:g} GB/s, longer than "
                      f"job.signal_delay_s = {cfg.job.signal_delay_s}: a preemption or the time limit would end the "
@@ -49,9 +92,12 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "gpu": hw.name, "layout": dataclasses.asdict(plan.layout) | {"zero_stage": cfg.parallel.zero_stage},
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
-        "memory_gb_per_gpu": states["total"] / GB, "model_states_gb": {k: v / GB for k, v in states.items()},
-        "gpu_memory_gb": hw.memory_gb, "fits": fits, "checkpoint": ckpt | {"storage_gbps": storage_gbps},
-        "step_time_s": None, "tokens_per_s": None, "notes": notes,
+        "memory_gb_per_gpu": total / GB, "model_states_gb": {k: v / GB for k, v in states.items()},
+        "activations_gb": acts / GB, "memory_margin": MARGIN, "gpu_memory_gb": hw.memory_gb, "fits": fits,
+        "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
+        "model_tflops_per_gpu": est.model_tflops_per_gpu, "hardware_tflops_per_gpu": est.hardware_tflops_per_gpu,
+        "mfu": est.mfu, "hfu": est.hfu, "time_terms": est.terms, "time_basis": est.basis,
+        "checkpoint": ckpt | {"storage_gbps": storage_gbps}, "notes": notes,
     }
 
 
@@ -61,9 +107,12 @@ def describe(out: dict[str, Any]) -> str:
     lines = [f"layout pp={lay['pp']} dp={lay['dp']} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
              f"{out['gpu']} GPUs; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
              f"{out['global_batch']} (micro {out['micro_batch']})",
-             f"memory per GPU (largest rank): model states {out['memory_gb_per_gpu']:.2f} GB of "
-             f"{out['gpu_memory_gb']:g} GB (parameters {st['params']:.2f}, gradients {st['grads']:.2f}, AdamW "
-             f"{st['optimizer']:.2f}) -> {'fits' if out['fits'] else 'DOES NOT FIT'}",
+             f"memory per GPU: {out['memory_gb_per_gpu']:.2f} GB of {out['gpu_memory_gb']:g} GB (parameters "
+             f"{st['params']:.2f}, gradients {st['grads']:.2f}, AdamW {st['optimizer']:.2f}, activations "
+             f"{out['activations_gb']:.2f}, +{out['memory_margin']:.0%}) -> "
+             f"{'fits' if out['fits'] else 'DOES NOT FIT'}",
+             f"step {out['step_time_s']:.3g} s: {out['tokens_per_s']:,.0f} tokens/s, "
+             f"{out['model_tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {out['mfu']:.1%}, HFU {out['hfu']:.1%})",
              f"checkpoint {ck['size_gb']:.2f} GB: save/load {ck['save_s']:.1f} s at {ck['storage_gbps']:g} GB/s; "
              f"job MTBF {ck['job_mtbf_h']:.1f} h -> save every {ck['young_daly_interval_s'] / 60:.1f} min "
              f"(Young/Daly)"]

@@ -31,7 +31,7 @@ LEVELS: list[list[str]] = [
      "checkpoint/lock"],
     # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
     # single-device model; what checkpoints cost
-    ["plan", "model", "planner/ckpt_cost"],
+    ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing"],
     # 3: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory"],
     # 4: what the trainer is made of

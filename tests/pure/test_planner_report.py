@@ -60,9 +60,12 @@ def test_70b_fits_with_zero3_and_not_without() -> None:
     ok = evaluate(cfg, profile("h100-sxm"), 5.0)
     assert ok["fits"] and ok["layout"] == {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3}
     # 70.55e9 parameters / tp 8: ZeRO-3 shards 16 bytes each over dp 16
-    assert ok["memory_gb_per_gpu"] == pytest.approx(70.554e9 / 8 * 16 / 16 / 1e9, rel=0.01)
+    assert sum(ok["model_states_gb"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
+        70.554e9 / 8 * 16 / 16 / 1e9, rel=0.01)
+    assert ok["memory_gb_per_gpu"] == pytest.approx((ok["model_states_gb"]["total"] + ok["activations_gb"]) * 1.1)
+    assert ok["step_time_s"] > 0 and 0 < ok["mfu"] <= ok["hfu"] < 1
     bad = evaluate(load_config(LLAMA, ["parallel.zero_stage=0"]), profile("a100-40g"), 5.0)
-    assert not bad["fits"] and any("does not fit: model states alone need" in n for n in bad["notes"])
+    assert not bad["fits"] and any("does not fit:" in n and "activations" in n for n in bad["notes"])
 
 
 def test_save_longer_than_the_warning_is_named() -> None:
@@ -89,10 +92,10 @@ def test_plan_command(tmp_path) -> None:
 def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     runner = CliRunner()
     ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
-    assert ok.exit_code == 0 and "planner: memory per GPU (largest rank): model states 8.82 GB of 80 GB" in ok.output
+    assert ok.exit_code == 0 and "planner: memory per GPU: 24.16 GB of 80 GB (parameters 2.21" in ok.output, ok.output
     args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
     bad = runner.invoke(cli, args)
-    assert bad.exit_code == 2 and "does not fit on a100-40g: model states alone need 144.8 GB per GPU of 40 GB" \
+    assert bad.exit_code == 2 and "does not fit on a100-40g: 187.0 GB per GPU predicted of 40 GB (parameters 35.3" \
         in bad.output and "#SBATCH" not in bad.output, bad.output
     forced = runner.invoke(cli, args + ["--no-memory-check"])
     assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
@@ -100,3 +103,11 @@ def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     assert unnamed.exit_code == 0 and "set job.gpu" in unnamed.output
     wrong = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100"])
     assert wrong.exit_code == 2 and "job.gpu = 'h100': unknown hardware profile 'h100'" in wrong.output
+
+
+def test_micro_batches_in_flight() -> None:
+    from hpctrain.planner.report import in_flight
+    assert in_flight("1f1b", 1, 1, 8) == 1  # no pipeline: one micro-batch's forward, then its backward
+    assert in_flight("gpipe", 4, 1, 8) == 8  # every forward before the first backward
+    assert in_flight("1f1b", 4, 1, 8) == 4 and in_flight("1f1b", 4, 1, 2) == 2  # warm-up depth, at most m
+    assert in_flight("interleaved_1f1b", 4, 2, 8) == 6  # (pp v + pp - 1) chunks of 1/v of the blocks, rounded up

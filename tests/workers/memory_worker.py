@@ -62,6 +62,37 @@ def measure(tr: Trainer) -> dict[str, int]:
             "optimizer": storage_bytes(st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))}
 
 
+def activations(tr: Trainer) -> int:
+    """Bytes autograd keeps from one micro-batch's forward (and loss) for backward: distinct storages of the saved
+    tensors (a DTensor's local shard), parameters left out; then the backward runs, so the model's state stays as
+    a step leaves it."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    model = tr.model
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        local = getattr(local, "elem", local)  # a functional collective's result wraps its tensor
+        params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                  for p in model.parameters()}  # FSDP swaps in its unsharded parameters during forward
+        st = local.untyped_storage()
+        if st.data_ptr() not in params:
+            seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    x, y = tr.loader.next_batch()
+    with tr._context(True):  # loss parallel's backward must run inside it too
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with tr._autocast():
+                logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+    tr.optimizer.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
 def main(out: str, cases_json: str, base_port: int) -> None:
     rank = int(os.environ["RANK"])
     results, errors = {}, {}
@@ -71,8 +102,10 @@ def main(out: str, cases_json: str, base_port: int) -> None:
         try:
             with session.start(cfg) as s:
                 tr = Trainer(cfg, s)
-                results[case["name"]] = measure(tr) | {"pp_rank": s.mesh.pp_rank, "dp_rank": s.mesh.dp_rank,
-                                                       "tp_rank": s.mesh.tp_rank}
+                got = measure(tr) | {"pp_rank": s.mesh.pp_rank, "dp_rank": s.mesh.dp_rank, "tp_rank": s.mesh.tp_rank}
+                if tr.pipe is None:
+                    got["activations"] = activations(tr)
+                results[case["name"]] = got
         except Exception as e:  # recorded so the test names the case that failed
             errors[case["name"]] = f"{type(e).__name__}: {e}"
     Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "errors": errors}))
