@@ -239,23 +239,32 @@ def _bench_argv(ctx: click.Context) -> list[str]:
               help="Aggregate checkpoint write/read bandwidth the file system gives the job (GB/s).")
 @click.option("--node-mtbf-h", default=None, type=float, help="A node's mean time between failures (hours); "
               "default 6000 (Llama 3 report's interruption rate).")
-@click.option("--json", "as_json", is_flag=True, help="Print the prediction as one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON (a list with --search).")
+@click.option("--search", "do_search", is_flag=True, help="Evaluate every layout of the config's nodes x GPUs per "
+              "node for its model and global batch; rank those that fit by predicted throughput.")
 @user_errors
 def plan(config: str, overrides: tuple[str, ...], gpu: str | None, storage_gbps: float, node_mtbf_h: float | None,
-         as_json: bool) -> None:
-    """Predict what CONFIG's layout costs per GPU (model-state memory) and what its checkpoints cost, before any
-    GPU time is spent."""
+         as_json: bool, do_search: bool) -> None:
+    """Predict what CONFIG's layout costs per GPU (memory, step time, throughput, MFU) and what its checkpoints
+    cost, before any GPU time is spent; --search ranks every layout instead."""
     import json
 
-    from hpctrain.planner import ckpt_cost, hardware, report
+    from hpctrain.planner import ckpt_cost, hardware, report, search
 
     cfg = _load(config, overrides)
     name = gpu or cfg.job.gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "h100-sxm")
+    mtbf = node_mtbf_h or ckpt_cost.NODE_MTBF_H
     try:
-        out = report.evaluate(cfg, hardware.profile(name), storage_gbps, node_mtbf_h or ckpt_cost.NODE_MTBF_H)
+        hw = hardware.profile(name)
+        out = report.evaluate(cfg, hw, storage_gbps, mtbf)
+        if do_search:
+            fit, why = search.search(cfg, hw, storage_gbps, mtbf, out["global_batch"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(json.dumps(out, indent=1) if as_json else report.describe(out))
+    if do_search:
+        click.echo(json.dumps(fit, indent=1) if as_json else search.describe(fit, why))
+    else:
+        click.echo(json.dumps(out, indent=1) if as_json else report.describe(out))
 
 
 @main.command()

@@ -103,9 +103,17 @@ def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords) ->
 
 
 def max_model_states(plan: Plan, zero_stage: int, precision: str) -> dict[str, int]:
-    """Each component and the total on the rank that holds the most of it (they may be different ranks)."""
-    pp = plan.layout.pp
-    every = [model_states(plan, zero_stage, precision, Coords(p, d)) for p in range(pp) for d in range(plan.layout.dp)]
+    """Each component and the total on the rank that holds the most of it (they may be different ranks). Only the
+    dp ranks that can hold the most are evaluated: rank 0 (FSDP's uneven shards give it the most rows), and under
+    ZeRO-1 the rank its greedy placement gives the most."""
+    n = plan.layout.dp
+    ranks = {0}
+    if zero_stage == 1 and n > 1:
+        for p in range(plan.layout.pp):
+            local = {k: tp_local(k, s, plan.layout.tp) for k, s in stage_shapes(plan, p).items()}
+            sizes = zero1_partition(local, n)
+            ranks.add(sizes.index(max(sizes)))
+    every = [model_states(plan, zero_stage, precision, Coords(p, d)) for p in range(plan.layout.pp) for d in ranks]
     out = {k: max(s[k] for s in every) for k in ("params", "grads", "optimizer")}
     out["total"] = max(sum(s.values()) for s in every)
     return out

@@ -38,7 +38,7 @@ LEVELS: list[list[str]] = [
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
     # 5
-    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout"],
+    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search"],
     # 6: the checkpoint directory's lifecycle
     ["checkpoint/manager"],
     # 7: a run's checkpoint policy

@@ -111,3 +111,20 @@ def test_micro_batches_in_flight() -> None:
     assert in_flight("gpipe", 4, 1, 8) == 8  # every forward before the first backward
     assert in_flight("1f1b", 4, 1, 8) == 4 and in_flight("1f1b", 4, 1, 2) == 2  # warm-up depth, at most m
     assert in_flight("interleaved_1f1b", 4, 2, 8) == 6  # (pp v + pp - 1) chunks of 1/v of the blocks, rounded up
+
+
+def test_search_ranks_what_fits_and_names_the_rest() -> None:
+    from hpctrain.planner.search import search
+    cfg = load_config(LLAMA, [])
+    fit, why = search(cfg, profile("h100-sxm"), 5.0, 6000.0, 128)
+    speeds = [o["tokens_per_s"] for o in fit]
+    assert fit and speeds == sorted(speeds, reverse=True)
+    assert all(o["fits"] and o["layout"]["pp"] * o["layout"]["dp"] * o["layout"]["tp"] == 128 for o in fit)
+    assert all(o["layout"]["micro_batch"] * o["layout"]["grad_accum"] * o["layout"]["dp"] == 128 for o in fit)
+    own = {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3, "micro_batch": 1, "grad_accum": 8, "ac": "full"}
+    assert any(own.items() <= o["layout"].items() for o in fit)  # the config's own layout is among them
+    assert any("does not divide the 8 ranks per node" in r for r in why)  # tp across nodes
+    oom = next(e for r, e in why.items() if r.startswith("out of memory on h100-sxm"))
+    assert oom[0] > 0 and 0 < oom[1] <= oom[2]
+    out = CliRunner().invoke(cli, ["plan", str(LLAMA), "--search", "--json"])
+    assert out.exit_code == 0 and len(json.loads(out.output)) == len(fit)

@@ -1,0 +1,92 @@
+"""`hpctrain plan --search`: every layout of the config's nodes x GPUs per node for its model and global batch,
+evaluated like the config's own (report.evaluate: the same plan checks, memory, time), ranked by predicted
+throughput among those that fit, and the others counted by why they were refused.
+
+Enumerated: tp and pp among the divisors of the world (the plan's checks refuse tp across nodes, heads or layers
+that do not divide, ...), dp the rest; ZeRO stages 0-3; recomputation none, full and every other block; micro-batch
+sizes that divide the per-replica batch (grad_accum follows: global = micro x accum x dp); with pp > 1 the 1F1B
+schedule and interleaved 1F1B with 2 virtual stages. Everything else is the config's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator
+
+from hpctrain.planner.report import evaluate
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.planner.hardware import Hardware
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Config, global_batch: int) -> Iterator[Config]:
+    """Every variant of cfg the search evaluates (the config's own global batch, nodes and GPUs per node)."""
+    world = cfg.world_size
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+            for (schedule, virtual), zero, ac, micro in (
+                    (s, z, a, m) for s in schedules for z in (0, 1, 2, 3) for a in ("none", "full", "every")
+                    for m in divisors(global_batch // dp)):
+                accum = global_batch // (dp * micro)
+                if pp > 1 and accum < pp:  # the schedule needs at least pp micro-batches
+                    continue
+                try:
+                    parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, zero_stage=zero,
+                                                   pp_schedule=schedule, pp_virtual_stages=virtual)
+                    train = dataclasses.replace(cfg.train, ac=ac, ac_every=2, micro_batch_size=micro,
+                                                grad_accum=accum, global_batch_size=0)
+                except ValueError:
+                    continue  # a combination the config itself refuses
+                yield dataclasses.replace(cfg, parallel=parallel, train=train)
+
+
+def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
+           global_batch: int) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """(fitting layouts, best first by tokens/s; why the others were refused: reason -> [count, and for running
+    out of memory the least and most GB over the GPU's])."""
+    fit: list[dict[str, Any]] = []
+    why: dict[str, list[float]] = {}
+    for variant in candidates(cfg, global_batch):
+        try:
+            out = evaluate(variant, hw, storage_gbps, node_mtbf_h)
+        except ValueError as e:
+            why.setdefault(str(e).split(";")[0][:160], [0])[0] += 1
+            continue
+        out["layout"] |= {"micro_batch": variant.train.micro_batch_size, "grad_accum": variant.train.grad_accum,
+                          "ac": variant.train.ac, "schedule": variant.parallel.pp_schedule,
+                          "virtual_stages": variant.parallel.pp_virtual_stages}
+        if out["fits"]:
+            fit.append(out)
+        else:
+            over = out["memory_gb_per_gpu"] - hw.memory_gb
+            entry = why.setdefault(f"out of memory on {hw.name} ({hw.memory_gb:g} GB)", [0, over, over])
+            entry[0] += 1
+            entry[1], entry[2] = min(entry[1], over), max(entry[2], over)
+    fit.sort(key=lambda o: -o["tokens_per_s"])
+    return fit, why
+
+
+def describe(fit: list[dict[str, Any]], why: dict[str, list[float]], top: int = 15) -> str:
+    lines = [f"{len(fit)} layouts fit; the {min(top, len(fit))} fastest predicted:",
+             f"  {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'ac':>5} {'micro':>5} {'accum':>5} {'schedule':>17} "
+             f"{'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'MFU':>6}"]
+    for o in fit[:top]:
+        lay = o["layout"]
+        lines.append(f"  {lay['tp']:>3} {lay['pp']:>3} {lay['dp']:>5} {lay['zero_stage']:>4} {lay['ac']:>5} "
+                     f"{lay['micro_batch']:>5} {lay['grad_accum']:>5} {lay['schedule']:>17} "
+                     f"{o['memory_gb_per_gpu']:>7.1f} {o['step_time_s']:>8.3g} {o['tokens_per_s']:>11,.0f} "
+                     f"{o['mfu']:>6.1%}")
+    if why:
+        lines.append(f"{sum(e[0] for e in why.values())} refused:")
+        for reason, entry in sorted(why.items(), key=lambda kv: -kv[1][0])[:10]:
+            by = f": by {entry[1]:.1f} to {entry[2]:.1f} GB" if len(entry) == 3 else ""
+            lines.append(f"  {int(entry[0]):>5} x {reason}{by}")
+    return "\n".join(lines)
