@@ -183,6 +183,9 @@ def abort_launch(code: int = 1) -> None:
         # said by us, flushed: MPICH's own "application called MPI_Abort" line can be lost when the launcher kills
         # the ranks first (seen once under load)
         print(f"hpctrain: rank {comm.Get_rank()} failed: MPI_Abort ends the launch", file=sys.stderr, flush=True)
+        # flushed is not forwarded: mpiexec's proxy reads our pipe on its own schedule, and the abort kills it first
+        # (the line, and the traceback before it, went missing under load); half a second lets it drain
+        time.sleep(0.5)
         comm.Abort(code)
 
 
