@@ -89,10 +89,10 @@ A100 = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}  # A100 datas
 H100_SXM = {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2}  # H100 datasheet
 # H100 datasheet, H100 PCIe column: tensor figures given with sparsity (756 / 1513 / 3026), halved
 H100_PCIE = {"fp32": 51.0, "tf32": 756 / 2, "bf16": 1513 / 2, "fp16": 1513 / 2, "fp8": 3026 / 2}
-H200 = dict(H100_SXM)  # H200 datasheet, H200 SXM column: the same tensor cores and clocks as H100 SXM
+H200 = dict(H100_SXM)  # H200 SXM: the same GH100 tensor cores and clocks as H100 SXM (sources below)
 B200 = {"fp32": 75.0, "tf32": 2200 / 2, "bf16": 4500 / 2, "fp16": 4500 / 2, "fp8": 9000 / 2}  # HGX B200, halved
 MI250X = {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2}  # MI250X datasheet, per GCD (package / 2)
-MI300X = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}  # MI300X datasheet, dense
+MI300X = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}  # ROCm MI300 peak table, dense
 
 # Links, per GPU and per direction (datasheets quote NVLink/xGMI as both directions added: halved here):
 #   NVLink 3 (A100 SXM) 600 GB/s total -> 300; NVLink 4 (H100/H200 SXM) 900 -> 450; NVLink 5 (B200) 1.8 TB/s -> 900.
@@ -105,19 +105,57 @@ MI300X = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2
 # Inter-node, one NIC per GPU (rail-optimised designs): HDR 200 Gb/s = 25 GB/s (DGX A100); NDR 400 Gb/s = 50 GB/s
 #   (DGX H100/H200/B200: 8 x ConnectX-7; MI300X platforms with 8 x 400G). MI250X (HPE Cray EX, Frontier/LUMI): one
 #   200 Gb/s Slingshot NIC per package, shared by its two GCDs -> 12.5. PCIe servers often have fewer NICs than GPUs.
+#
+# Sources, checked against what the project's search tools could reach (vendor PDFs themselves mostly could not be
+# opened; where only a faithful reproduction of a vendor table was reachable it is named). "*": given with sparsity.
+#   a100-40g/80g: NVIDIA A100 Tensor Core GPU datasheet, SXM columns (nvidia.com/content/dam/en-zz/Solutions/
+#     Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), read through its tabulation at
+#     glennklockwood.com/garden/processors/A100: fp32 19.5, tf32 156, bf16/fp16 312 dense, 40 GB / 80 GB, NVLink
+#     300+300 GB/s; 600 GB/s NVLink 3 also in the NVIDIA Ampere architecture whitepaper. Confirmed: all peaks, memory,
+#     NVLink. HDR 200 Gb/s per GPU (DGX A100, 8 x ConnectX-6): not found in a primary source here; value as first
+#     written, from memory (DGX A100: 8 x ConnectX-6 HDR).
+#   h100-sxm, h100-pcie: NVIDIA H100 Tensor Core GPU datasheet, SXM and PCIe columns (reproduced at
+#     archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html): fp32 67 / 51, tf32 989* / 756*, bf16 = fp16 1979* /
+#     1513*, fp8 3958* / 3026*, 80 GB both, NVLink 900 GB/s (SXM) / 600 GB/s bridge (PCIe), PCIe Gen5 128 GB/s. NVLink
+#     900 GB/s bidirectional per GPU also on nvidia.com's Hopper architecture page. DGX H100 (NVIDIA DGX BasePOD
+#     reference architecture, "Core Components", docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-
+#     foundation-enterprise-ai/latest/core-components.html): 640 GB in 8 GPUs, 8 x single-port ConnectX-7 up to
+#     400 Gb/s. Confirmed: every h100 figure (PCIe inter-node 50 assumes a NIC per card, a platform choice).
+#   h200: same BasePOD page: DGX H200 1,128 GB in 8 GPUs (-> 141), same 8 x ConnectX-7 400 Gb/s. Confirmed: memory,
+#     network. Peaks: the H200 datasheet itself not reached; secondary copies of it give bf16 1979* and fp8 3958*,
+#     equal to H100 SXM (same GH100 silicon); fp32 67 / tf32 989* taken as H100 SXM's.
+#   b200 (HGX B200 column, 1,000 W, chosen over DGX B200 marketing totals): NVIDIA Blackwell datasheet (GB200 NVL72 /
+#     HGX B200), reproduced at zdszero.github.io/Computer/Artificial_Intelligence/Hardware.html: fp32 75, tf32 2.2
+#     PF*, bf16 = fp16 4.5 PF*, fp8 9 PF*, 180 GB HBM3E, NVLink 5 1.8 TB/s. DGX B200 (BasePOD page above): 8 GPUs,
+#     1.4 TB GPU memory, 8 x single-port ConnectX-7 up to 400 Gb/s; its 72 PF FP8* over 8 GPUs agrees with 9 PF*.
+#     Confirmed: all. (glennklockwood.com/garden/processors/B200, from an earlier NVIDIA brief, gives fp32 80 at
+#     1,000 W; the datasheet's 75 is kept. The DGX B200 user guide itself was not reached.)
+#   mi250x (per GCD): AMD's MI250X spec table (128 GB HBM2e; FP32 matrix 95.7, FP16 = BF16 383.0 TFLOPs per
+#     package) was reached only as a reproduction (zexron.com); ROCm "AMD Instinct MI250 microarchitecture"
+#     (rocm.docs.amd.com, gpu-arch/mi250) gives the MI250's 90.5 / 362.1 for 208 CUs, which scale to 95.7 / 383.0 at
+#     the MI250X's 220, and 50 GB/s per xGMI link per direction. OLCF Frontier User Guide (docs.olcf.ornl.gov/
+#     systems/frontier_user_guide.html): 4 MI250X = 8 GCDs per node, 64 GB HBM2E per GCD, 50-100 GB/s between GCDs
+#     of different packages. Confirmed: peaks, memory, xGMI. Slingshot 200 Gb/s per package: not found in a primary
+#     source here; value as first written, from memory (HPE Cray EX235a: 4 NICs a node).
+#   mi300x: ROCm "AMD Instinct MI300 series microarchitecture" (rocm.docs.amd.com/en/docs-6.2.2/conceptual/gpu-arch/
+#     mi300.html), peak table: FP32 163.4, TF32 653.7, FP16 = BF16 1307.4, FP8 2614.9 (dense), 7 Infinity Fabric
+#     links fully connecting 8 GPUs. Azure ND MI300X v5 size page (learn.microsoft.com, MicrosoftDocs/azure-docs
+#     nd-mi300x-v5-series.md): 8 MI300X of 192 GB, InfiniBand 8 x 400 Gb NDR. Confirmed: peaks, memory, link count,
+#     network. 128 GB/s per xGMI link (-> 64 per direction): not found in a primary source here (secondary pages
+#     disagree); value from the AMD MI300X datasheet as remembered.
 _NV = "NVIDIA"
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     Hardware("a100-40g", A100, 40, 300, 25, 8, f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU"),
     Hardware("a100-80g", A100, 80, 300, 25, 8, f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU"),
     Hardware("h100-sxm", H100_SXM, 80, 450, 50, 8, f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU"),
     Hardware("h100-pcie", H100_PCIE, 80, 64, 50, 8, f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s"),
-    Hardware("h200", H200, 141, 450, 50, 8, f"{_NV} H200 datasheet (SXM, 141 GB); NVLink 4; NDR 400 Gb/s per GPU"),
-    # DGX B200 user guide: 8 GPUs, 1,440 GB in all -> 180 GB each; 8 x ConnectX-7 400 Gb/s
-    Hardware("b200", B200, 180, 900, 50, 8, f"{_NV} Blackwell datasheet (HGX B200); DGX B200 user guide; NVLink 5"),
+    Hardware("h200", H200, 141, 450, 50, 8, f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU"),
+    # Blackwell datasheet HGX B200 column: 180 GB per GPU; DGX B200: 8 x ConnectX-7 400 Gb/s (sources above)
+    Hardware("b200", B200, 180, 900, 50, 8, f"{_NV} Blackwell datasheet (HGX B200); DGX BasePOD RA; NVLink 5"),
     # 128 GB per package, 64 GB per GCD; 8 GCDs (4 packages) per node
     Hardware("mi250x", MI250X, 64, 50, 12.5, 8, "AMD Instinct MI250X datasheet, per GCD; ROCm MI250 "
              "microarchitecture (xGMI); HPE Cray EX node (Slingshot 200 Gb/s per package)"),
-    Hardware("mi300x", MI300X, 192, 448, 50, 8, "AMD Instinct MI300X datasheet; 8-GPU xGMI platform; 400 Gb/s/GPU"),
+    Hardware("mi300x", MI300X, 192, 448, 50, 8, "ROCm MI300 microarchitecture; 8-GPU xGMI; 400 Gb/s/GPU"),
     # This machine, 2 cores, 24 GB. Peak: the fp32 GEMM probe (hpctrain/bench/gemm.py, n=1024, 2 threads), best of
     # 24 rounds in benchmarks/results/train_overhead.json: 0.194 TFLOP/s (median 0.067: the machine is shared).
     # Links: `hpctrain bench` all_reduce over gloo, world group of 4 ranks on this host (as the tiny-cpu example

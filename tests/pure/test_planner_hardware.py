@@ -76,6 +76,30 @@ def test_documented_figures():
     assert PROFILES["mi250x"].peak("bf16") == 383.0 / 2 and "tf32" not in PROFILES["mi250x"].peak_tflops
 
 
+# The figures the source comment in hardware.py cites, as the sources give them (sparse figures halved, package
+# figures halved per GCD, NVLink/xGMI totals halved per direction, Gb/s NICs / 8): a change must also change the
+# citation. (memory GB, intra GB/s, inter GB/s, fp32, bf16, fp8 or None)
+CITED = {
+    "a100-40g": (40, 600 / 2, 200 / 8, 19.5, 312.0, None),
+    "a100-80g": (80, 600 / 2, 200 / 8, 19.5, 312.0, None),
+    "h100-sxm": (80, 900 / 2, 400 / 8, 67.0, 1979 / 2, 3958 / 2),
+    "h100-pcie": (80, 128 / 2, 400 / 8, 51.0, 1513 / 2, 3026 / 2),
+    "h200": (1128 / 8, 900 / 2, 400 / 8, 67.0, 1979 / 2, 3958 / 2),
+    "b200": (180, 1800 / 2, 400 / 8, 75.0, 4500 / 2, 9000 / 2),
+    "mi250x": (128 / 2, 50, 200 / 8 / 2, 95.7 / 2, 383.0 / 2, None),
+    "mi300x": (192, 7 * 128 / 2, 400 / 8, 163.4, 1307.4, 2614.9),
+}
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_figures_match_cited_sources(name):
+    memory, intra, inter, fp32, bf16, fp8 = CITED[name]
+    hw = PROFILES[name]
+    assert (hw.memory_gb, hw.intra_node_gbps, hw.inter_node_gbps) == pytest.approx((memory, intra, inter))
+    assert (hw.peak("fp32"), hw.peak("bf16")) == pytest.approx((fp32, bf16))
+    assert "fp8" not in hw.peak_tflops if fp8 is None else hw.peak("fp8") == pytest.approx(fp8)
+
+
 def test_cpu_links_are_the_bench_results_here():
     """The cpu profile's links are the 16 MiB gloo all_reduce of benchmarks/results/bench-4ranks.jsonl (4 ranks,
     one host: the world group is the intra group)."""
