@@ -57,14 +57,26 @@ def activation_bytes(cfg: Config, plan: Plan) -> float:
     return held
 
 
-def time_estimate(cfg: Config, plan: Plan, hw: Hardware) -> timing.TimeEstimate:
+def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
+                  peak_per_rank: bool = False) -> timing.TimeEstimate:
+    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel. A measured (CPU)
+    profile is one host that runs every rank of the job (a local run, or the local Slurm cluster's nodes): its
+    GEMM rate is the host's, shared by the ranks, and more ranks than cores slow the host's own work as much, unless
+    peak_per_rank (a rate each rank measured with the others computing, one rank per core); it takes the
+    calibrated efficiency and, unless host=False, the host's per-block and per-step work."""
     p, t, lay = cfg.parallel, cfg.train, plan.layout
+    cpu = dict(timing.CPU_HOST_S) if hw.measured and host else {"block": 0.0, "tp_block": 0.0, "step": 0.0}
+    if hw.measured and not peak_per_rank:
+        hw = hw.with_overrides(**{f"peak_{d}": v / lay.world_size for d, v in hw.peak_tflops.items()})
+        crowd = max(1.0, lay.world_size / hw.gpus_per_node)  # ranks per core (gpus_per_node: the host's cores)
+        cpu = {k: v * crowd for k, v in cpu.items()}  # host work is CPU time too
     return timing.estimate(timing.Shape.of(plan.dims), hw, seq_len=cfg.data.seq_len, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.dp,
                            virtual_stages=p.pp_virtual_stages, schedule=p.pp_schedule, zero_stage=p.zero_stage,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
-                           precision=t.precision, reduce_dtype=t.reduce_dtype,
-                           efficiency=1.0 if hw.measured else None)
+                           precision=t.precision, reduce_dtype=t.reduce_dtype, tp_projections="separate",
+                           efficiency=timing.MEASURED_EFFICIENCY if hw.measured else None,
+                           host_block_s=cpu["tp_block" if lay.tp > 1 else "block"], host_step_s=cpu["step"])
 
 
 def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float = NODE_MTBF_H,

@@ -20,8 +20,12 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   (p-1)/(vm+p-1) of the step, reimplemented: parallel/pipeline imports torch); 0 for zero-bubble schedules.
 - tensor parallel, per block and micro-batch: 2 all-reduces forward + 2 backward (+2 per recomputed block) of
   b s d activation bytes, ring cost 2 (t-1)/t x size / link; sequence parallel swaps each for an all-gather plus
-  a reduce-scatter, the same volume. The link is NVLink while tp fits in a node. Exposed unless tp_overlap
-  (then only what exceeds the compute is).
+  a reduce-scatter, the same volume. Backward's 2 assume fused projections (tp_projections="fused": Megatron's
+  one QKV and one gate/up matrix); with "separate" ones (hpctrain's DTensor plan: wq, wk, wv, w1, w3 each a
+  ColwiseParallel module) each projection's input gradient is all-reduced on its own, 5 per block, unless
+  sequence parallel gathers the block's input once. Plus per micro-batch the embedding's forward all-reduce and
+  the logit layer's backward one (one of them on a pipeline stage). The link is NVLink while tp fits in a node.
+  Exposed unless tp_overlap (then only what exceeds the compute is).
 - data parallel, on the stage's parameters P (params / (t p)), N = dp: DDP 2 (N-1)/N P g once per step (g: grad
   reduce bytes, fp32 by default as hpctrain's train.reduce_dtype); ZeRO-1/2 a reduce-scatter of grads plus an
   all-gather of 16-bit params; ZeRO-3/FSDP per micro-batch an all-gather forward, again backward, and a reduce-
@@ -32,10 +36,12 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   except the last block's share (a bucket cannot start before its gradients exist).
 - pipeline point-to-point: per micro-batch and virtual stage one send forward and one backward of b s d / t bytes
   (Megatron's scatter-gather, or sequence parallel shards), on the NIC when a stage fills a node.
+- host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
+  GPUs; CPU_HOST_S on the measured CPU profile).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
-optimistic on datasheet profiles. Not modelled: the optimizer step, data loading, collectives slowing concurrent
-GEMMs, kernel launch gaps, stragglers, network congestion. fp8 takes the fp8 peak for every GEMM (an upper bound:
-recipes keep some in bf16) and communicates in bf16.
+optimistic on datasheet profiles. Not modelled: the optimizer step (apart from CPU_HOST_S), data loading,
+collectives slowing concurrent GEMMs, kernel launch gaps, stragglers, network congestion. fp8 takes the fp8 peak
+for every GEMM (an upper bound: recipes keep some in bf16) and communicates in bf16.
 """
 from __future__ import annotations
 
@@ -53,11 +59,22 @@ from hpctrain.planner.hardware import Hardware
 # reaches because the step's other kernels are memory-bound. Not validated on AMD parts or on CPU (whose "peak" is
 # already a measured GEMM rate: pass efficiency= there).
 EFFICIENCY = 0.54
+# On a measured profile (the "cpu" one: its peak is this machine's GEMM probe, so the GEMMs themselves need no
+# discount) the efficiency covers only the rest of the compute: attention, norms, rotary, SwiGLU. Calibrated on
+# one-rank runs of two model shapes that tests/multiproc/test_planner_cpu_time.py does not validate (its
+# `calibrate_efficiency`; three runs gave 0.866, 0.854, 0.853).
+MEASURED_EFFICIENCY = 0.86
+# A CPU also runs the host's work (autograd, op dispatch, DTensor's wrapping under tensor parallel, the trainer),
+# which a GPU's host overlaps with the kernels: seconds per block and micro-batch (plain, or tensor parallel) and
+# per step, measured on this machine with a model too small for its compute to count (the same file's
+# `calibrate_host`; two runs gave block 1.27/1.45 ms, tp_block 10.9/15.6 ms, step 3.4/3.1 ms).
+CPU_HOST_S = {"block": 0.00135, "tp_block": 0.013, "step": 0.0033}
 MATMUL_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8": "fp8"}  # precision -> dtype of its GEMMs
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # activations and gathered parameters (fp8: bf16 comm)
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 RECOMPUTE = ("none", "selective", "full", "every")  # "every": hpctrain's train.ac = "every", blocks 0, k, 2k, ...
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
+TP_PROJECTIONS = ("fused", "separate")  # see "tensor parallel" in the module docstring
 
 
 @dataclass(frozen=True)
@@ -150,10 +167,15 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              pp: int = 1, dp: int = 1, virtual_stages: int = 1, schedule: str = "1f1b", zero_stage: int = 0,
              sequence_parallel: bool = False, recompute: str = "none", ac_every: int = 2, precision: str = "bf16",
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
-             efficiency: float | None = None) -> TimeEstimate:
-    """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one)."""
+             tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
+             host_step_s: float = 0.0) -> TimeEstimate:
+    """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
+    host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see CPU_HOST_S), per
+    block and micro-batch on the busiest stage and per step."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
+    if tp_projections not in TP_PROJECTIONS:
+        raise ValueError(f"tp_projections = {tp_projections!r}: expected one of {', '.join(TP_PROJECTIONS)}")
     if reduce_dtype not in REDUCE_BYTES:
         raise ValueError(f"reduce_dtype = {reduce_dtype!r}: expected fp32 or bf16")
     if min(seq_len, global_batch, micro_batch, tp, pp, dp, virtual_stages) < 1 or zero_stage not in (0, 1, 2, 3):
@@ -179,8 +201,10 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
 
     micro_bytes = micro_batch * seq_len * shape.dim * act  # one micro-batch's activations, b s d
     tp_link = intra if tp <= gpn else inter
-    n_coll = 4 + 2 * recomputed_share(shape.n_layers, recompute, ac_every)
-    tp_comm = n_coll * 2 * ring(tp) * micro_bytes * blocks * m / tp_link if tp > 1 else 0.0
+    backward = 5 if tp_projections == "separate" and not sequence_parallel else 2
+    n_coll = 2 + backward + 2 * recomputed_share(shape.n_layers, recompute, ac_every)
+    ends = 2 if pp == 1 else 1  # the embedding's forward all-reduce, the logit layer's backward one
+    tp_comm = (n_coll * blocks + ends) * 2 * ring(tp) * micro_bytes * m / tp_link if tp > 1 else 0.0
     tp_exposed = max(0.0, tp_comm - compute) if tp_overlap else tp_comm
 
     per_node = max(1, gpn // tp)  # dp ranks of one group per node
@@ -203,7 +227,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         p2p_link = inter if tp * dp >= gpn else intra
         p2p = 2 * m * v * micro_bytes / tp / p2p_link
 
-    step = compute + bubble + tp_exposed + dp_exposed + p2p
+    host = host_step_s + host_block_s * blocks * m
+    step = compute + bubble + tp_exposed + dp_exposed + p2p + host
     model_flops = flops_per_token(shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads,
                                   shape.vocab, seq_len, shape.mlp)
     hw_flops = hardware_flops_per_token(shape, seq_len, recompute, ac_every)
@@ -213,7 +238,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     hw_tflops = hw_flops * job_tokens / gpus / 1e12
     dense = hw.peak(MATMUL_DTYPE[precision])
     terms = {"compute_s": compute, "pp_bubble_s": bubble, "tp_comm_s": tp_exposed, "tp_comm_total_s": tp_comm,
-             "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "p2p_s": p2p}
+             "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "p2p_s": p2p, "host_s": host}
     basis = {"microbatches": m, "blocks_on_busiest_stage": blocks, "efficiency": eff, "tp_link_gbps": tp_link / 1e9,
              "dp_link_gbps": dp_link / 1e9}
     return TimeEstimate(step, job_tokens, model_tflops, hw_tflops, model_tflops / dense, hw_tflops / dense, terms,
