@@ -161,6 +161,10 @@ PROFILES: dict[str, Hardware] = {h.name: h for h in (
     # Links: `hpctrain bench` all_reduce over gloo, world group of 4 ranks on this host (as the tiny-cpu example
     # runs: 2 simulated nodes x 2 ranks), largest size 16 MiB: busbw 0.58 GB/s (benchmarks/results/bench-4ranks.jsonl).
     # Every "node" is on this host, so inter-node is the same loopback figure. No bf16 rate was measured.
+    # The planner reads this profile as one host that runs every rank of a job (local runs and the local Slurm
+    # cluster's nodes alike): the peak is the host's, shared by the ranks, and gpus_per_node is its 2 cores
+    # (planner/report.time_estimate). A quiet one-thread probe gives 0.09-0.10, half of it, as the test
+    # tests/multiproc/test_planner_cpu_time.py measures round by round.
     Hardware("cpu", {"fp32": 0.194}, 24, 0.58, 0.58, 2, "measured here: GEMM probe in "
              "benchmarks/results/train_overhead.json; gloo all_reduce busbw in benchmarks/results/bench-4ranks.jsonl",
              measured=True),
