@@ -4,8 +4,10 @@ throughput among those that fit, and the others counted by why they were refused
 
 Enumerated: tp and pp among the divisors of the world (the plan's checks refuse tp across nodes, heads or layers
 that do not divide, ...), dp the rest; ZeRO stages 0-3; recomputation none, full and every other block; micro-batch
-sizes that divide the per-replica batch (grad_accum follows: global = micro x accum x dp); with pp > 1 the 1F1B
-schedule and interleaved 1F1B with 2 virtual stages. Everything else is the config's.
+sizes that divide the per-replica batch (grad_accum follows: global = micro x accum x dp); sequence parallel on
+and off with tp > 1; with pp > 1 the schedules of SCHEDULES (1F1B, GPipe, interleaved 1F1B with 2 and 4 virtual
+stages). Everything else is the config's. Zero-bubble schedules are not searched: their in-flight activations
+(deferred weight gradients) are not in the memory model.
 """
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ from hpctrain.planner.report import evaluate
 if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.planner.hardware import Hardware
+
+
+# (schedule, virtual stages per rank) tried with pipeline parallel
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
 
 
 def divisors(n: int) -> list[int]:
@@ -31,16 +37,17 @@ def candidates(cfg: Config, global_batch: int) -> Iterator[Config]:
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            schedules = [("1f1b", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
-            for (schedule, virtual), zero, ac, micro in (
-                    (s, z, a, m) for s in schedules for z in (0, 1, 2, 3) for a in ("none", "full", "every")
-                    for m in divisors(global_batch // dp)):
+            schedules = SCHEDULES if pp > 1 else [("1f1b", 1)]
+            for (schedule, virtual), sp, zero, ac, micro in (
+                    (s, q, z, a, m) for s in schedules for q in ((False, True) if tp > 1 else (False,))
+                    for z in (0, 1, 2, 3) for a in ("none", "full", "every") for m in divisors(global_batch // dp)):
                 accum = global_batch // (dp * micro)
                 if pp > 1 and accum < pp:  # the schedule needs at least pp micro-batches
                     continue
                 try:
                     parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, zero_stage=zero,
-                                                   pp_schedule=schedule, pp_virtual_stages=virtual)
+                                                   pp_schedule=schedule, pp_virtual_stages=virtual,
+                                                   sequence_parallel=sp)
                     train = dataclasses.replace(cfg.train, ac=ac, ac_every=2, micro_batch_size=micro,
                                                 grad_accum=accum, global_batch_size=0)
                 except ValueError:
@@ -62,6 +69,7 @@ def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
             continue
         out["layout"] |= {"micro_batch": variant.train.micro_batch_size, "grad_accum": variant.train.grad_accum,
                           "ac": variant.train.ac, "schedule": variant.parallel.pp_schedule,
+                          "sequence_parallel": variant.parallel.sequence_parallel,
                           "virtual_stages": variant.parallel.pp_virtual_stages}
         if out["fits"]:
             fit.append(out)
@@ -76,12 +84,15 @@ def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
 
 def describe(fit: list[dict[str, Any]], why: dict[str, list[float]], top: int = 15) -> str:
     lines = [f"{len(fit)} layouts fit; the {min(top, len(fit))} fastest predicted:",
-             f"  {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'ac':>5} {'micro':>5} {'accum':>5} {'schedule':>17} "
+             f"  {'tp':>3} {'sp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'ac':>5} {'micro':>5} {'accum':>5} "
+             f"{'schedule':>17} "
              f"{'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'MFU':>6}"]
     for o in fit[:top]:
         lay = o["layout"]
-        lines.append(f"  {lay['tp']:>3} {lay['pp']:>3} {lay['dp']:>5} {lay['zero_stage']:>4} {lay['ac']:>5} "
-                     f"{lay['micro_batch']:>5} {lay['grad_accum']:>5} {lay['schedule']:>17} "
+        sp = "yes" if lay["sequence_parallel"] else "no"
+        schedule = lay["schedule"] + (f" v{lay['virtual_stages']}" if lay["virtual_stages"] > 1 else "")
+        lines.append(f"  {lay['tp']:>3} {sp:>3} {lay['pp']:>3} {lay['dp']:>5} {lay['zero_stage']:>4} {lay['ac']:>5} "
+                     f"{lay['micro_batch']:>5} {lay['grad_accum']:>5} {schedule:>17} "
                      f"{o['memory_gb_per_gpu']:>7.1f} {o['step_time_s']:>8.3g} {o['tokens_per_s']:>11,.0f} "
                      f"{o['mfu']:>6.1%}")
     if why:
