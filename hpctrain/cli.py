@@ -235,6 +235,10 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @SET_OPT
 @click.option("--gpu", default=None, help="Hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, h200, b200, "
               "mi250x, mi300x, cpu); default: job.gpu, else cpu when job.gpus_per_node = 0, else h100-sxm.")
+@click.option("--hw", "figures", multiple=True, metavar="KEY=VALUE", help="Replace a figure of the profile "
+              "(repeatable): memory_gb, intra_node_gbps, inter_node_gbps, gpus_per_node, peak_<dtype>.")
+@click.option("--bench", "bench_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="`hpctrain bench` results (bench.jsonl) of --group intra / inter runs: their link bandwidths.")
 @click.option("--storage-gbps", default=5.0, type=float, show_default=True,
               help="Aggregate checkpoint write/read bandwidth the file system gives the job (GB/s).")
 @click.option("--node-mtbf-h", default=None, type=float, help="A node's mean time between failures (hours); "
@@ -243,8 +247,9 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @click.option("--search", "do_search", is_flag=True, help="Evaluate every layout of the config's nodes x GPUs per "
               "node for its model and global batch; rank those that fit by predicted throughput.")
 @user_errors
-def plan(config: str, overrides: tuple[str, ...], gpu: str | None, storage_gbps: float, node_mtbf_h: float | None,
-         as_json: bool, do_search: bool) -> None:
+def plan(config: str, overrides: tuple[str, ...], gpu: str | None, figures: tuple[str, ...],
+         bench_files: tuple[str, ...], storage_gbps: float, node_mtbf_h: float | None, as_json: bool,
+         do_search: bool) -> None:
     """Predict what CONFIG's layout costs per GPU (memory, step time, throughput, MFU) and what its checkpoints
     cost, before any GPU time is spent; --search ranks every layout instead."""
     import json
@@ -255,7 +260,8 @@ def plan(config: str, overrides: tuple[str, ...], gpu: str | None, storage_gbps:
     name = gpu or cfg.job.gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "h100-sxm")
     mtbf = node_mtbf_h or ckpt_cost.NODE_MTBF_H
     try:
-        hw = hardware.profile(name)
+        links = {k: v for f in bench_files for k, v in hardware.bandwidths_from_bench(f).items()}
+        hw = hardware.profile(name, links | hardware.parse_figures(figures))  # --hw wins over --bench
         out = report.evaluate(cfg, hw, storage_gbps, mtbf)
         if do_search:
             fit, why = search.search(cfg, hw, storage_gbps, mtbf, out["global_batch"])

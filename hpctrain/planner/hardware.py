@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # "fp32": plain FP32 (no TF32); the others on tensor/matrix cores
 NUMBERS = ("memory_gb", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
@@ -241,3 +241,18 @@ def bandwidths_from_bench(path: str | Path, world_is_one_node: bool = False) -> 
                          f"{', '.join(sorted(groups)) or 'none'}); run `hpctrain bench all_reduce --group intra` "
                          "and `--group inter`")
     return {key: bw for key, (_, bw) in best.items()}
+
+
+def parse_figures(items: Sequence[str]) -> dict[str, float]:
+    """`hpctrain plan --hw KEY=VALUE` items as profile overrides (validated by with_overrides): a number each,
+    gpus_per_node a whole one."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key.strip() not in OVERRIDABLE:
+            raise ValueError(f"--hw {item!r}: expected KEY=VALUE with KEY one of {', '.join(OVERRIDABLE)}")
+        try:
+            out[key.strip()] = int(text) if key.strip() == "gpus_per_node" else float(text)
+        except ValueError:
+            raise ValueError(f"--hw {item!r}: {text!r} is not a number") from None
+    return out

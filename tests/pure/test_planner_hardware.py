@@ -263,3 +263,39 @@ def test_oversized_file_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(hardware, "MAX_BENCH_BYTES", 16)
     with pytest.raises(ValueError, match=r"big\.jsonl: \d+ bytes is too large"):
         bandwidths_from_bench(path)
+
+
+# --- the CLI: `hpctrain plan --hw KEY=VALUE --bench FILE` ---
+
+def test_parse_figures_names_the_bad_item():
+    assert hardware.parse_figures(["peak_bf16=700", " gpus_per_node=4"]) == {"peak_bf16": 700.0, "gpus_per_node": 4}
+    for item, fragment in (("inter_gbps=25", "KEY one of memory_gb"), ("inter_node_gbps", "KEY=VALUE"),
+                           ("inter_node_gbps=fast", "'fast' is not a number"), ("gpus_per_node=2.5", "not a number")):
+        with pytest.raises(ValueError, match=f"--hw {item!r}"):
+            hardware.parse_figures([item])
+        with pytest.raises(ValueError, match=fragment):
+            hardware.parse_figures([item])
+
+
+def test_plan_cli_takes_figures_and_bench_links(tmp_path):
+    from click.testing import CliRunner
+
+    from hpctrain.cli import main as cli
+    config = str(REPO / "slurm/examples/llama-70b.toml")
+
+    def plan(*args):
+        out = CliRunner().invoke(cli, ["plan", config, "--gpu", "h100-sxm", "--json", *args])
+        return out.exit_code, (json.loads(out.output) if out.exit_code == 0 else out.output)
+
+    _, base = plan()
+    path = write_bench(tmp_path / "bench.jsonl", [bench_row("all_reduce", 256 * MIB, "inter", 40000.0, nranks=16)])
+    slow = bandwidths_from_bench(path)["inter_node_gbps"]  # about 20 GB/s, 40% of the datasheet NIC
+    _, measured = plan("--bench", str(path))
+    assert measured["time_basis"]["dp_link_gbps"] == pytest.approx(slow, rel=1e-3)  # tp 8 fills the node: dp on the NIC
+    assert measured["step_time_s"] > base["step_time_s"]
+    _, both = plan("--bench", str(path), "--hw", "inter_node_gbps=100")  # --hw wins over --bench
+    assert both["time_basis"]["dp_link_gbps"] == 100
+    _, half = plan("--hw", f"peak_bf16={profile('h100-sxm').peak('bf16') / 2}")
+    assert half["time_terms"]["compute_s"] == pytest.approx(2 * base["time_terms"]["compute_s"])
+    code, text = plan("--hw", "memory_gb=-1")
+    assert code == 2 and "memory_gb=-1.0 must be a positive finite number" in text
