@@ -52,6 +52,17 @@ class ActivationModel:
         weights = 2 * dims.n_heads * hd * dims.dim + 2 * dims.n_kv_heads * hd * dims.dim + 3 * dims.dim * dims.ffn_dim
         return tokens * per_token + per_weight * weights / tp
 
+    def weight_copy_bytes(self, dims: ModelDims, blocks: int, head: bool = False) -> float:
+        """Autocast's low-precision copies of the weights of `blocks` blocks (and the output projection's with the
+        head), part of block_bytes and head_bytes: cached once per autocast region, however many micro-batches
+        it runs (a pipeline schedule runs them all in one)."""
+        if self.mode != "autocast":
+            return 0.0
+        per_weight = MODES[self.mode][-1]
+        weights = (2 * dims.n_heads * dims.head_dim * dims.dim + 2 * dims.n_kv_heads * dims.head_dim * dims.dim
+                   + 3 * dims.dim * dims.ffn_dim)
+        return per_weight * (blocks * weights + (dims.vocab_size * dims.dim if head else 0)) / self.tp
+
     def input_bytes(self, dims: ModelDims, tokens: int) -> float:
         """What a checkpointed block keeps: its input (the residual stream, fp32 unless FSDP casts it)."""
         width = 2 if self.mode == "fsdp" else 4
@@ -70,15 +81,17 @@ class ActivationModel:
                 out += 2 * dims.vocab_size * dims.dim / self.tp
         return out
 
+    @staticmethod
+    def checkpointed(blocks: int, ac: str, ac_every: int = 1) -> int:
+        """How many of `blocks` blocks keep only their input (train.ac, train.ac_every)."""
+        if ac == "full":
+            return blocks
+        return len(range(0, blocks, ac_every)) if ac == "every" else 0
+
     def micro_batch_bytes(self, dims: ModelDims, tokens: int, blocks: int, ac: str = "none", ac_every: int = 1,
                           embedding: bool = True, head: bool = True) -> float:
         """One micro-batch's activations on a rank holding `blocks` blocks, at the end of its forward."""
-        if ac == "full":
-            kept = blocks
-        elif ac == "every":
-            kept = len(range(0, blocks, ac_every))
-        else:
-            kept = 0
+        kept = self.checkpointed(blocks, ac, ac_every)
         full = blocks - kept
         return (full * self.block_bytes(dims, tokens) + kept * self.input_bytes(dims, tokens)
                 + self.head_bytes(dims, tokens, embedding, head))

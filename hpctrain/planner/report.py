@@ -1,15 +1,13 @@
 """One layout's prediction, as `hpctrain plan` prints it: the plan's checks (the same make_plan a submission runs),
-memory per GPU (model states on the rank that holds the most, plus the activations of the micro-batches in flight
-on the busiest pipeline rank), step time, throughput, MFU and HFU (timing.py), and the checkpoint's size, save and
+memory per GPU (the highest peak of live tensor bytes over the pipeline ranks and the dp ranks that hold the most,
+peak.py, plus MARGIN), step time, throughput, MFU and HFU (timing.py), and the checkpoint's size, save and
 load time, Young/Daly interval and preemption-warning check. Pure: no torch, no process group.
 
     out = evaluate(cfg, profile("h100-sxm"), storage_gbps=5.0)
     print(describe(out))            # or json.dumps(out)
 
-Micro-batches in flight on pipeline rank 0 (the one with the embedding and the most): 1 without pipeline
-parallel, pp for 1F1B, all m for GPipe, and for interleaved schedules pp + (pp - 1) / v rounded up, per virtual
-stage's blocks; these counts follow the schedules' definitions and are not yet measured here. Not counted:
-communication buffers, the allocator's fragmentation (MARGIN is added for it), the CUDA context.
+Not counted: the allocator's fragmentation and caching (MARGIN is added for it), NCCL's own buffers, the CUDA
+context.
 """
 from __future__ import annotations
 
@@ -19,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from hpctrain import mesh
 from hpctrain.plan import make_plan
 from hpctrain.planner import timing
-from hpctrain.planner.activations import ActivationModel, mode_of
 from hpctrain.planner.ckpt_cost import NODE_MTBF_H, checkpoint_bytes, checkpoint_cost
-from hpctrain.planner.memory import max_model_states
+from hpctrain.planner.memory import Coords, model_states, stage_shapes, tp_local, zero1_partition
+from hpctrain.planner.peak import peak
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -32,29 +30,27 @@ GB = 1e9
 MARGIN = 0.10  # of the predicted bytes, for the allocator's fragmentation and buffers not modelled
 
 
-def in_flight(schedule: str, pp: int, virtual: int, microbatches: int) -> int:
-    """Micro-batches whose activations pipeline rank 0 holds at once (see the module docstring)."""
-    if pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return microbatches
-    if virtual == 1:
-        return min(pp, microbatches)
-    return min(microbatches * virtual, pp * virtual + pp - 1) // virtual + 1
-
-
-def activation_bytes(cfg: Config, plan: Plan) -> float:
-    """Peak activation bytes on the busiest rank: pipeline rank 0 (embedding, most micro-batches in flight)."""
-    p, t, lay = cfg.parallel, cfg.train, plan.layout
-    model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
-    tokens = plan.micro_batch * cfg.data.seq_len
-    blocks = len(plan.stages.blocks_of(0)) if plan.stages else plan.dims.n_layers
-    head = plan.stages is None or plan.stages.last in plan.stages.stages_of(0)
-    per_micro = model.micro_batch_bytes(plan.dims, tokens, blocks, t.ac, t.ac_every, embedding=True, head=head)
-    held = per_micro * in_flight(p.pp_schedule, lay.pp, p.pp_virtual_stages, t.grad_accum)
-    if t.ac != "none":  # backward recomputes one checkpointed block at a time, keeping its full set meanwhile
-        held += model.block_bytes(plan.dims, tokens)
-    return held
+def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, int]]:
+    """The rank that peaks highest (peak.py) among every pipeline rank's dp rank 0 (FSDP's uneven shards give it the
+    most rows) and, under ZeRO-1, the dp rank its greedy placement gives the most (memory.max_model_states' ranks):
+    its peak, phase, activations and pp rank; and each model-state component at its largest over those ranks."""
+    zero, n = cfg.parallel.zero_stage, plan.layout.dp
+    best: dict[str, Any] = {}
+    every = []
+    for pp_rank in range(plan.layout.pp):
+        dp_ranks = {0}
+        if zero == 1 and n > 1:
+            local = {k: tp_local(k, s, plan.layout.tp) for k, s in stage_shapes(plan, pp_rank).items()}
+            sizes = zero1_partition(local, n)
+            dp_ranks.add(sizes.index(max(sizes)))
+        for dp_rank in dp_ranks:
+            states = model_states(plan, zero, cfg.train.precision, Coords(pp_rank, dp_rank))
+            every.append(states)
+            out = peak(cfg, plan, states, pp_rank)
+            if not best or out["peak"] > best["peak"]:
+                best = out | {"pp_rank": pp_rank}
+    most = {k: max(s[k] for s in every) for k in ("params", "grads", "optimizer")}
+    return best, most | {"total": max(sum(s.values()) for s in every)}
 
 
 def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
@@ -85,17 +81,18 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
     the plan made here (ValueError for a layout that cannot run, as a submission)."""
     if plan is None:
         plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node), training=True)
-    states = max_model_states(plan, cfg.parallel.zero_stage, cfg.train.precision)
-    acts = activation_bytes(cfg, plan)
-    total = (states["total"] + acts) * (1 + MARGIN)
+    worst, states = peak_per_rank(cfg, plan)  # states: as memory.max_model_states, from the same ranks
+    acts = worst["activations"]
+    total = worst["peak"] * (1 + MARGIN)
     est = time_estimate(cfg, plan, hw)
     ckpt = checkpoint_cost(checkpoint_bytes(plan.dims, cfg.world_size), storage_gbps, cfg.job.nodes, node_mtbf_h,
                            cfg.job.signal_delay_s)
     notes = list(plan.notes)
     fits = total <= hw.memory_gb * GB
     if not fits:
-        notes.append(f"does not fit: {total / GB:.1f} GB per GPU predicted (model states {states['total'] / GB:.1f}, "
-                     f"activations {acts / GB:.1f}, +{MARGIN:.0%}), {hw.name} has {hw.memory_gb:g} GB")
+        notes.append(f"does not fit: {total / GB:.1f} GB per GPU predicted (peak {worst['peak'] / GB:.1f} at the "
+                     f"{worst['phase']} of pipeline rank {worst['pp_rank']}: model states {states['total'] / GB:.1f}, "
+                     f"activations {acts / GB:.1f}; +{MARGIN:.0%}), {hw.name} has {hw.memory_gb:g} GB")
     if ckpt["fits_warning"] is False:
         notes.append(f"a checkpoint save takes about {ckpt['save_s']:.0f} s at {storage_gbps:g} GB/s, longer than "
                      f"job.signal_delay_s = {cfg.job.signal_delay_s}: a preemption or the time limit would end the "
@@ -105,7 +102,8 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
         "memory_gb_per_gpu": total / GB, "model_states_gb": {k: v / GB for k, v in states.items()},
-        "activations_gb": acts / GB, "memory_margin": MARGIN, "gpu_memory_gb": hw.memory_gb, "fits": fits,
+        "activations_gb": acts / GB, "peak_gb": worst["peak"] / GB, "peak_phase": worst["phase"],
+        "peak_pp_rank": worst["pp_rank"], "memory_margin": MARGIN, "gpu_memory_gb": hw.memory_gb, "fits": fits,
         "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
         "model_tflops_per_gpu": est.model_tflops_per_gpu, "hardware_tflops_per_gpu": est.hardware_tflops_per_gpu,
         "mfu": est.mfu, "hfu": est.hfu, "time_terms": est.terms, "time_basis": est.basis,
@@ -121,7 +119,8 @@ def describe(out: dict[str, Any]) -> str:
              f"{out['global_batch']} (micro {out['micro_batch']})",
              f"memory per GPU: {out['memory_gb_per_gpu']:.2f} GB of {out['gpu_memory_gb']:g} GB (parameters "
              f"{st['params']:.2f}, gradients {st['grads']:.2f}, AdamW {st['optimizer']:.2f}, activations "
-             f"{out['activations_gb']:.2f}, +{out['memory_margin']:.0%}) -> "
+             f"{out['activations_gb']:.2f}; peak {out['peak_gb']:.2f} at the {out['peak_phase']}, "
+             f"+{out['memory_margin']:.0%}) -> "
              f"{'fits' if out['fits'] else 'DOES NOT FIT'}",
              f"step {out['step_time_s']:.3g} s: {out['tokens_per_s']:,.0f} tokens/s, "
              f"{out['model_tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {out['mfu']:.1%}, HFU {out['hfu']:.1%})",

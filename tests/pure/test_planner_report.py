@@ -62,7 +62,9 @@ def test_70b_fits_with_zero3_and_not_without() -> None:
     # 70.55e9 parameters / tp 8: ZeRO-3 shards 16 bytes each over dp 16
     assert sum(ok["model_states_gb"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
         70.554e9 / 8 * 16 / 16 / 1e9, rel=0.01)
-    assert ok["memory_gb_per_gpu"] == pytest.approx((ok["model_states_gb"]["total"] + ok["activations_gb"]) * 1.1)
+    # memory per GPU: the step's peak (planner.peak) plus the margin; the peak holds the states and activations
+    assert ok["memory_gb_per_gpu"] == pytest.approx(ok["peak_gb"] * 1.1)
+    assert ok["peak_gb"] > ok["model_states_gb"]["total"] + ok["activations_gb"] and ok["peak_phase"] == "backward"
     assert ok["step_time_s"] > 0 and 0 < ok["mfu"] <= ok["hfu"] < 1
     bad = evaluate(load_config(LLAMA, ["parallel.zero_stage=0"]), profile("a100-40g"), 5.0)
     assert not bad["fits"] and any("does not fit:" in n and "activations" in n for n in bad["notes"])
@@ -92,10 +94,10 @@ def test_plan_command(tmp_path) -> None:
 def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     runner = CliRunner()
     ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
-    assert ok.exit_code == 0 and "planner: memory per GPU: 24.16 GB of 80 GB (parameters 2.21" in ok.output, ok.output
+    assert ok.exit_code == 0 and "planner: memory per GPU: 26.95 GB of 80 GB (parameters 2.21" in ok.output, ok.output
     args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
     bad = runner.invoke(cli, args)
-    assert bad.exit_code == 2 and "does not fit on a100-40g: 187.0 GB per GPU predicted of 40 GB (parameters 35.3" \
+    assert bad.exit_code == 2 and "does not fit on a100-40g: 202.1 GB per GPU predicted of 40 GB (parameters 35.3" \
         in bad.output and "#SBATCH" not in bad.output, bad.output
     forced = runner.invoke(cli, args + ["--no-memory-check"])
     assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
@@ -106,11 +108,14 @@ def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
 
 
 def test_micro_batches_in_flight() -> None:
-    from hpctrain.planner.report import in_flight
+    """The counts tests/multiproc/test_planner_memory.py measures, per pipeline rank."""
+    from hpctrain.planner.peak import in_flight
     assert in_flight("1f1b", 1, 1, 8) == 1  # no pipeline: one micro-batch's forward, then its backward
-    assert in_flight("gpipe", 4, 1, 8) == 8  # every forward before the first backward
-    assert in_flight("1f1b", 4, 1, 8) == 4 and in_flight("1f1b", 4, 1, 2) == 2  # warm-up depth, at most m
-    assert in_flight("interleaved_1f1b", 4, 2, 8) == 6  # (pp v + pp - 1) chunks of 1/v of the blocks, rounded up
+    assert in_flight("gpipe", 4, 1, 8, pp_rank=3) == 8  # every forward before the first backward, on every rank
+    assert [in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]  # warm-up depth pp - r
+    assert in_flight("1f1b", 4, 1, 2) == 2  # at most m
+    # interleaved: (v - 1) x m / rounds + 2 (pp - 1 - r) warm-up chunks + 1, each 1/v of the rank's blocks
+    assert in_flight("interleaved_1f1b", 4, 2, 8) == 5.5 and in_flight("interleaved_1f1b", 2, 2, 4, 1) == 1.5
 
 
 def test_search_ranks_what_fits_and_names_the_rest() -> None:

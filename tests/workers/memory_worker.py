@@ -1,7 +1,15 @@
-"""One rank of tests/multiproc/test_planner_memory.py: builds the Trainer of each case in turn, runs one step,
-and records the model-state bytes this rank holds, counted from the real tensors (distinct storages; a DTensor's
-local shard): parameters at their fullest (after each forward: gathered ones under ZeRO-2 and under pipeline
-parallel, plus FSDP2's sharded copy beside them), gradients and AdamW's exp_avg/exp_avg_sq after the step.
+"""One rank of tests/multiproc/test_planner_memory.py: builds the Trainer of each case in turn and runs two steps.
+The first records the model-state bytes this rank holds, counted from the real tensors (distinct storages; a
+DTensor's local shard): parameters at their fullest (after each forward: gathered ones under ZeRO-2 and under
+pipeline parallel, plus FSDP2's sharded copy beside them), gradients and AdamW's exp_avg/exp_avg_sq after the step.
+The second, with the optimizer state in place as in every later step, records
+- "saved": the most bytes autograd's saved tensors held at once (SavedBytes): one micro-batch's activations
+  without pipeline parallel, the micro-batches in flight on this rank's stages with it;
+- "peak": the most bytes of live CPU tensors at any moment of the step (forward, backward, gradient sync,
+  clipping, optimizer step), everything included: the profiler's allocator events from the start of the case
+  (torch.profiler, profile_memory), each allocation until its free. The profiler sees only the frees of the
+  thread it profiles; gloo's worker threads free the buffers of the collectives whose work they held last, so
+  such a free is taken from a finalizer on the storage (FreeTimes), or from the address being handed out again.
 
     python tests/workers/memory_worker.py OUT CASES_JSON BASE_PORT      # one rank of a torchrun-style spawn
 """
@@ -10,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
@@ -62,50 +71,138 @@ def measure(tr: Trainer) -> dict[str, int]:
             "optimizer": storage_bytes(st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))}
 
 
-def activations(tr: Trainer) -> int:
-    """Bytes autograd keeps from one micro-batch's forward (and loss) for backward: distinct storages of the saved
-    tensors (a DTensor's local shard), parameters left out; then the backward runs, so the model's state stays as
-    a step leaves it."""
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
-    model = tr.model
-    seen: dict[int, int] = {}
+class SavedBytes:
+    """The most bytes autograd's saved tensors held at once: each distinct storage (a DTensor's local shard; the
+    model's parameters left out) counts from the first time a forward saves it until the storage is freed (a
+    weakref finalizer on the storage object, which torch keeps alive as long as the storage)."""
 
-    def pack(t):
-        local = t.to_local() if isinstance(t, DTensor) else t
-        local = getattr(local, "elem", local)  # a functional collective's result wraps its tensor
-        params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                  for p in model.parameters()}  # FSDP swaps in its unsharded parameters during forward
-        st = local.untyped_storage()
-        if st.data_ptr() not in params:
-            seen.setdefault(st.data_ptr(), st.nbytes())
+    def __init__(self, roots) -> None:
+        self.roots = roots
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def pack(self, t):
+        st = local(t).untyped_storage()
+        key = st.data_ptr()
+        # FSDP swaps its gathered parameters in and out: the parameters as they are now
+        params = {local(p).untyped_storage().data_ptr() for r in self.roots for p in r.parameters()}
+        if key not in self.live and key not in params:
+            self.live[key] = st.nbytes()
+            self.now += st.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(st, self._freed, key)
         return t
 
-    x, y = tr.loader.next_batch()
-    with tr._context(True):  # loss parallel's backward must run inside it too
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with tr._autocast():
-                logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-    tr.optimizer.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+
+def local(t):
+    """The plain tensor holding t's bytes: a DTensor's local shard, a functional collective result's tensor."""
+    t = getattr(t, "_local_tensor", t)
+    return getattr(t, "elem", t)
+
+
+def free_times():
+    """A dispatch mode noting when each operator output's storage is freed: data_ptr -> [time.time_ns()], from a
+    weakref finalizer that runs in whatever thread frees it."""
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class FreeTimes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.freed: dict[int, list[int]] = {}
+            self.watched: set[int] = set()
+
+        def _free(self, ptr: int) -> None:
+            self.watched.discard(ptr)
+            self.freed.setdefault(ptr, []).append(time.time_ns())
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    try:
+                        st = local(t).untyped_storage()
+                        ptr = st.data_ptr()
+                    except RuntimeError:  # a wrapper subclass with no storage of its own
+                        continue
+                    if ptr and ptr not in self.watched:
+                        self.watched.add(ptr)
+                        weakref.finalize(st, self._free, ptr)
+            return out
+    return FreeTimes()
+
+
+def live_peak(prof, freed: dict[int, list[int]]) -> dict:
+    """Live tensor bytes from the profiler's allocator events: at the start of the "peak_step" region, their
+    maximum inside it (and the operators running at that moment), at the end of the profile."""
+    def walk(nodes):
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+    nodes = list(walk(prof.profiler.kineto_results.experimental_event_tree()))
+    region = next(n for n in nodes if n.name == "peak_step")
+    t0, t1 = region.start_time_ns, region.end_time_ns
+    mem = [(n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.ptr) for n in nodes if n.name == "[memory]"]
+    mem.sort()
+    owner, missed = {}, []  # an allocation whose free the profiler did not see: freed by another thread
+    for ts, nbytes, ptr in mem:
+        if nbytes > 0:
+            if ptr in owner:  # its address came back: freed by now, at the finalizer's time if one saw it
+                a = owner[ptr]
+                missed.append((min((f for f in freed.get(ptr, []) if a[0] < f <= ts), default=ts), -a[1], ptr))
+            owner[ptr] = (ts, nbytes)
+        else:
+            owner.pop(ptr, None)
+    for ptr, a in owner.items():
+        when = min((f for f in freed.get(ptr, []) if a[0] < f), default=None)
+        if when is not None:
+            missed.append((when, -a[1], ptr))
+    live, start, peak, at = 0, None, 0, t0
+    for ts, nbytes, _ in sorted(mem + missed):
+        if start is None and ts >= t0:
+            start = peak = live
+        live += nbytes
+        if t0 <= ts <= t1 and live > peak:
+            peak, at = live, ts
+    ops = [n.name for n in nodes if n.name != "[memory]" and t0 <= n.start_time_ns <= at <= n.end_time_ns]
+    return {"live_start": start, "peak": peak, "peak_at": ops[1:4], "live_end": live}
+
+
+def measured_step(tr: Trainer) -> int:
+    """One train step inside the "peak_step" profiler region; returns SavedBytes' peak."""
+    import torch
+    from torch.profiler import record_function
+    saved = SavedBytes(tr.pm.parts or [tr.pm.model])
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), record_function("peak_step"):
+        tr.train_step()
+    return saved.peak
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
     rank = int(os.environ["RANK"])
     results, errors = {}, {}
     for i, case in enumerate(json.loads(cases_json)):
         os.environ["MASTER_PORT"] = str(base_port + i)
         cfg = load_config(None, SMALL + case["overrides"] + [f"job.run_root={out}/{case['name']}-runs"])
         try:
-            with session.start(cfg) as s:
-                tr = Trainer(cfg, s)
-                got = measure(tr) | {"pp_rank": s.mesh.pp_rank, "dp_rank": s.mesh.dp_rank, "tp_rank": s.mesh.tp_rank}
-                if tr.pipe is None:
-                    got["activations"] = activations(tr)
-                results[case["name"]] = got
+            gc.collect()  # the last case's tensors freed before this profile begins, not inside it
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, free_times() as ft:
+                with session.start(cfg) as s:
+                    tr = Trainer(cfg, s)
+                    got = measure(tr) | {"pp_rank": s.mesh.pp_rank, "dp_rank": s.mesh.dp_rank,
+                                         "tp_rank": s.mesh.tp_rank}
+                    got["saved"] = measured_step(tr)
+                    del tr  # freed in this profile: the next one must not see its frees
+            results[case["name"]] = got | live_peak(prof, ft.freed)
         except Exception as e:  # recorded so the test names the case that failed
             errors[case["name"]] = f"{type(e).__name__}: {e}"
     Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "errors": errors}))

@@ -1,0 +1,129 @@
+"""Peak memory of one rank during a train step: the most bytes of live tensors at any moment of forward, backward,
+gradient sync, clipping and optimizer step, model states included, from the plan alone (no torch). What
+`hpctrain plan` calls memory per GPU before its margin (report.MARGIN, for the allocator's fragmentation).
+
+    acts = stage_activations(cfg, plan, pp_rank)        # one micro-batch's saved activations on that rank
+    n = in_flight(schedule, pp, v, m, pp_rank)          # micro-batches whose activations it holds at once
+    out = peak(cfg, plan, states, pp_rank)              # {"peak", "activations", "phase"}; states: memory.py's
+
+The step's moments, each a candidate; the peak is the largest (every term measured by tensor accounting on real
+ranks, tests/multiproc/test_planner_memory.py):
+- "backward": the start of the last backward. The fp32 masters and AdamW state (always there); the gradients
+  when they already exist: DDP's buckets hold them all step, else from the first backward on (grad_accum > 1,
+  or a pipeline's later micro-batches); the parameters FSDP keeps gathered (ZeRO-2, and ZeRO-3 under pipeline
+  parallel), or under plain ZeRO-3 the root's (embedding, norm, output: never resharded between forward and
+  backward) plus two blocks (the one in backward and the one prefetched); the activations of the micro-batches in
+  flight (+ one block recomputed under checkpointing); on the rank with the loss, three logits-sized fp32 buffers
+  (the logits the trainer holds, the log-softmax's gradient and the logits' gradient).
+- "sync": after the last backward, where gradients are all-reduced as one flat copy (ZeRO-0 with tensor parallel,
+  ZeRO-0/1 under pipeline parallel, parallel.data.allreduce_grads): masters, AdamW state, gradients and the copy.
+- "optimizer": foreach AdamW's step: masters, gradients, AdamW state and one temporary the size of the params it
+  steps (the square root of exp_avg_sq, 4 bytes per element: half the AdamW state).
+Under pipeline parallel, each stage also keeps a receive buffer per micro-batch for its input activations (all
+but the first stage) and for the gradients coming back (all but the last), and the last stage keeps every
+micro-batch's logits for the schedule's merged output until the step ends.
+
+Micro-batches in flight on pipeline rank r (measured on torch 2.13's schedules, in units of the rank's whole
+set of blocks): 1 without pipeline parallel; GPipe m; 1F1B min(m, pp - r); interleaved 1F1B (warm-up + 1)
+chunks of 1/v of the blocks, warm-up = (v - 1) x m / max(1, m // pp) + 2 (pp - 1 - r), at most m v chunks.
+Other schedules (looped BFS, zero bubble) use the interleaved count: not measured.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hpctrain.planner.activations import ActivationModel, mode_of
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config
+    from hpctrain.plan import Plan
+
+LOW = {"bf16": 2, "fp16": 2}
+
+
+def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank pp_rank holds at once, in units of all its blocks."""
+    m = microbatches
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if virtual == 1:
+        return min(m, pp - pp_rank)
+    per_round = m // max(1, m // pp)
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), m * virtual)
+    return min(warmup + 1, m * virtual) / virtual
+
+
+def stage_activations(cfg: Config, plan: Plan, pp_rank: int) -> tuple[float, float]:
+    """(each micro-batch's activations, what the rank holds once however many are in flight) on pipeline rank
+    pp_rank (all of them without pipeline parallel). Once: autocast's weight copies; under pipeline parallel two
+    residual-stream widths on the last stage. Each micro-batch: the blocks, embedding and head, and on every
+    stage but the first the received input (a residual-stream width)."""
+    p, t, lay = cfg.parallel, cfg.train, plan.layout
+    model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
+    tokens = plan.micro_batch * cfg.data.seq_len
+    if plan.stages is None:
+        n = plan.dims.n_layers
+        kept = n - model.checkpointed(n, t.ac, t.ac_every)
+        weights = model.weight_copy_bytes(plan.dims, kept, head=True)
+        return model.micro_batch_bytes(plan.dims, tokens, n, t.ac, t.ac_every) - weights, weights
+    each = once = 0.0
+    for s in plan.stages.stages_of(pp_rank):
+        first, last, n = s == 0, s == plan.stages.last, len(plan.stages.layers[s])
+        weights = model.weight_copy_bytes(plan.dims, n - model.checkpointed(n, t.ac, t.ac_every), head=last)
+        each += model.micro_batch_bytes(plan.dims, tokens, n, t.ac, t.ac_every, embedding=first, head=last) - weights
+        each += (0 if first else 1) * model.input_bytes(plan.dims, tokens)
+        once += weights + (2 if last else 0) * model.input_bytes(plan.dims, tokens)
+    return each, once
+
+
+def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> dict[str, float]:
+    """The peak live bytes of the rank at pipeline rank pp_rank holding `states` (memory.model_states), with the
+    activations in flight at the backward's start and which moment is the peak."""
+    p, t, lay, dims = cfg.parallel, cfg.train, plan.layout, plan.dims
+    zero = p.zero_stage if lay.dp > 1 else -1
+    fsdp = zero in (2, 3)
+    masters = states["grads"] if fsdp else states["params"]
+    gathered = states["params"] - masters
+    grads, opt = states["grads"], states["optimizer"]
+    tokens = plan.micro_batch * cfg.data.seq_len
+    model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
+    m = t.grad_accum
+    head = plan.stages is None or plan.stages.last in plan.stages.stages_of(pp_rank)
+    each, once = stage_activations(cfg, plan, pp_rank)
+    n = in_flight(p.pp_schedule, lay.pp, p.pp_virtual_stages, m, pp_rank)
+    acts = each * n + once
+    if t.ac != "none":
+        acts += model.block_bytes(dims, tokens)
+    logits = 4.0 * tokens * dims.vocab_size / lay.tp
+    buffers = 0.0
+    if plan.stages is not None:
+        stages = plan.stages.stages_of(pp_rank)
+        width = model.input_bytes(dims, tokens)
+        buffers = m * width * sum((s != 0) + (s != plan.stages.last) for s in stages) + (m * logits if head else 0)
+    ddp = zero in (0, 1) and lay.tp == 1 and plan.stages is None
+    # gradients already there at the backward with the most in flight: DDP's buckets always (and under no_sync
+    # a second, unbucketed set for the micro-batches before the last); a pipeline's when a backward ran before
+    # (fewer in flight than its micro-batches), FSDP's then unsharded (reduce-scattered after the last one)
+    if plan.stages is None:
+        early = grads * ((ddp or m > 1) + (ddp and m > 1))
+    else:
+        early = (gathered * 4 / LOW.get(t.precision, 4) if fsdp else grads) if n < m else 0
+    block = (2 * dims.n_heads * dims.head_dim * dims.dim + 2 * dims.n_kv_heads * dims.head_dim * dims.dim
+             + 3 * dims.dim * dims.ffn_dim) / lay.tp + 2 * dims.dim  # one block's local elements
+    if fsdp and zero == 3 and plan.stages is None:
+        root = (2 * dims.vocab_size * dims.dim / lay.tp + dims.dim)
+        gathered = LOW.get(t.precision, 4) * (2 * block + root)
+    # then the loss's buffers, or, a little later, the first block's gradients beside the same activations
+    later = (2 if plan.stages else 3) * logits if head else 0.0
+    if not early:
+        later = max(later, 4 * block)
+    moments = {
+        "backward": masters + opt + gathered + early + acts + later + buffers,
+        "optimizer": masters + grads + opt + opt / 2 + buffers,
+    }
+    if (zero == 0 and lay.tp > 1 and plan.stages is None) or (plan.stages is not None and zero in (0, 1)):
+        moments["sync"] = masters + opt + 2 * grads + buffers
+    phase = max(moments, key=moments.get)
+    return {"peak": moments[phase], "activations": acts, "phase": phase}
