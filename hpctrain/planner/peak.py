@@ -2,26 +2,31 @@
 gradient sync, clipping and optimizer step, model states included, from the plan alone (no torch). What
 `hpctrain plan` calls memory per GPU before its margin (report.MARGIN, for the allocator's fragmentation).
 
-    acts = stage_activations(cfg, plan, pp_rank)        # one micro-batch's saved activations on that rank
+    each, once = stage_activations(cfg, plan, pp_rank)  # bytes per micro-batch in flight, and held just once
     n = in_flight(schedule, pp, v, m, pp_rank)          # micro-batches whose activations it holds at once
     out = peak(cfg, plan, states, pp_rank)              # {"peak", "activations", "phase"}; states: memory.py's
 
-The step's moments, each a candidate; the peak is the largest (every term measured by tensor accounting on real
-ranks, tests/multiproc/test_planner_memory.py):
-- "backward": the start of the last backward. The fp32 masters and AdamW state (always there); the gradients
-  when they already exist: DDP's buckets hold them all step, else from the first backward on (grad_accum > 1,
-  or a pipeline's later micro-batches); the parameters FSDP keeps gathered (ZeRO-2, and ZeRO-3 under pipeline
-  parallel), or under plain ZeRO-3 the root's (embedding, norm, output: never resharded between forward and
-  backward) plus two blocks (the one in backward and the one prefetched); the activations of the micro-batches in
-  flight (+ one block recomputed under checkpointing); on the rank with the loss, three logits-sized fp32 buffers
-  (the logits the trainer holds, the log-softmax's gradient and the logits' gradient).
-- "sync": after the last backward, where gradients are all-reduced as one flat copy (ZeRO-0 with tensor parallel,
-  ZeRO-0/1 under pipeline parallel, parallel.data.allreduce_grads): masters, AdamW state, gradients and the copy.
-- "optimizer": foreach AdamW's step: masters, gradients, AdamW state and one temporary the size of the params it
-  steps (the square root of exp_avg_sq, 4 bytes per element: half the AdamW state).
-Under pipeline parallel, each stage also keeps a receive buffer per micro-batch for its input activations (all
-but the first stage) and for the gradients coming back (all but the last), and the last stage keeps every
-micro-batch's logits for the schedule's merged output until the step ends.
+The step's moments, each a candidate; the peak is the largest (every term seen in the live tensors of real ranks,
+tests/multiproc/test_planner_memory.py):
+- "backward": the backward that starts with the most micro-batches in flight. Always the fp32 masters and AdamW
+  state. The gradients that already exist: DDP's buckets all step (under no_sync a second, unbucketed set for
+  the micro-batches before the last); otherwise those of an earlier micro-batch's backward (grad_accum > 1;
+  under pipeline parallel when the rank holds fewer in flight than its micro-batches), for FSDP still unsharded
+  (fp32, or bf16 with train.reduce_dtype = "bf16" under mixed precision, not measured here: reduce-scattered
+  after the last one).
+  The parameters FSDP keeps gathered (ZeRO-2, ZeRO-3 under pipeline parallel); under plain ZeRO-3 the root's
+  (embedding, norm, output) and two blocks' (the one in backward, the one prefetched). The activations of the
+  micro-batches in flight (stage_activations x in_flight, autocast's weight copies once; + one block recomputed
+  under checkpointing). Then on the rank with the loss three logits-sized fp32 buffers (the logits the trainer
+  holds, their log-softmax's gradient and their gradient; two under pipeline parallel, where the held logits are
+  among the outputs below), or, where no gradient existed yet, the first block's gradients if larger.
+- "sync": where gradients are all-reduced as one flat copy after the last backward (ZeRO-0 with tensor parallel,
+  ZeRO-0/1 under pipeline parallel: parallel.data.allreduce_grads): masters, AdamW state, gradients, the copy.
+- "optimizer": foreach AdamW's step: masters, gradients, AdamW state and a temporary the size of what it steps
+  (the square root of exp_avg_sq: 4 bytes per element, half the AdamW state).
+Under pipeline parallel every moment also has the schedule's buffers: per micro-batch a receive buffer for the
+input activations (all stages but the first) and one for the gradients coming back (all but the last), and on
+the last stage every micro-batch's logits (the schedule's merged output).
 
 Micro-batches in flight on pipeline rank r (measured on torch 2.13's schedules, in units of the rank's whole
 set of blocks): 1 without pipeline parallel; GPipe m; 1F1B min(m, pp - r); interleaved 1F1B (warm-up + 1)
@@ -79,8 +84,8 @@ def stage_activations(cfg: Config, plan: Plan, pp_rank: int) -> tuple[float, flo
 
 
 def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> dict[str, float]:
-    """The peak live bytes of the rank at pipeline rank pp_rank holding `states` (memory.model_states), with the
-    activations in flight at the backward's start and which moment is the peak."""
+    """The peak live bytes of the rank at pipeline rank pp_rank holding `states` (memory.model_states): "peak",
+    the moment it happens at ("phase") and the activations in flight at the backward ("activations")."""
     p, t, lay, dims = cfg.parallel, cfg.train, plan.layout, plan.dims
     zero = p.zero_stage if lay.dp > 1 else -1
     fsdp = zero in (2, 3)
@@ -103,13 +108,15 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
         width = model.input_bytes(dims, tokens)
         buffers = m * width * sum((s != 0) + (s != plan.stages.last) for s in stages) + (m * logits if head else 0)
     ddp = zero in (0, 1) and lay.tp == 1 and plan.stages is None
-    # gradients already there at the backward with the most in flight: DDP's buckets always (and under no_sync
-    # a second, unbucketed set for the micro-batches before the last); a pipeline's when a backward ran before
-    # (fewer in flight than its micro-batches), FSDP's then unsharded (reduce-scattered after the last one)
-    if plan.stages is None:
-        early = grads * ((ddp or m > 1) + (ddp and m > 1))
+    # an earlier micro-batch's gradients; FSDP's unsharded, in train.reduce_dtype under mixed precision
+    low_reduce = t.reduce_dtype == "bf16" and t.precision in LOW
+    accumulated = masters * lay.dp * (0.5 if low_reduce else 1) if fsdp else grads
+    if ddp:
+        early = grads * (2 if m > 1 else 1)
+    elif plan.stages is None:
+        early = accumulated if m > 1 else 0
     else:
-        early = (gathered * 4 / LOW.get(t.precision, 4) if fsdp else grads) if n < m else 0
+        early = accumulated if n < m else 0
     block = (2 * dims.n_heads * dims.head_dim * dims.dim + 2 * dims.n_kv_heads * dims.head_dim * dims.dim
              + 3 * dims.dim * dims.ffn_dim) / lay.tp + 2 * dims.dim  # one block's local elements
     if fsdp and zero == 3 and plan.stages is None:

@@ -94,7 +94,7 @@ def test_plan_command(tmp_path) -> None:
 def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     runner = CliRunner()
     ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
-    assert ok.exit_code == 0 and "planner: memory per GPU: 26.95 GB of 80 GB (parameters 2.21" in ok.output, ok.output
+    assert ok.exit_code == 0 and "planner: memory per GPU: 63.33 GB of 80 GB (parameters 2.21" in ok.output, ok.output
     args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
     bad = runner.invoke(cli, args)
     assert bad.exit_code == 2 and "does not fit on a100-40g: 202.1 GB per GPU predicted of 40 GB (parameters 35.3" \

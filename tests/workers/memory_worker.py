@@ -195,13 +195,14 @@ def main(out: str, cases_json: str, base_port: int) -> None:
         cfg = load_config(None, SMALL + case["overrides"] + [f"job.run_root={out}/{case['name']}-runs"])
         try:
             gc.collect()  # the last case's tensors freed before this profile begins, not inside it
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, free_times() as ft:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 with session.start(cfg) as s:
                     tr = Trainer(cfg, s)
-                    got = measure(tr) | {"pp_rank": s.mesh.pp_rank, "dp_rank": s.mesh.dp_rank,
-                                         "tp_rank": s.mesh.tp_rank}
-                    got["saved"] = measured_step(tr)
-                    del tr  # freed in this profile: the next one must not see its frees
+                    with free_times() as ft:  # from here: the steps' collectives
+                        got = measure(tr) | {"pp_rank": s.mesh.pp_rank, "dp_rank": s.mesh.dp_rank,
+                                             "tp_rank": s.mesh.tp_rank}
+                        got["saved"] = measured_step(tr)
+                        del tr  # freed in this profile: the next one must not see its frees
             results[case["name"]] = got | live_peak(prof, ft.freed)
         except Exception as e:  # recorded so the test names the case that failed
             errors[case["name"]] = f"{type(e).__name__}: {e}"
