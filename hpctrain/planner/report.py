@@ -55,7 +55,8 @@ def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, in
 
 def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                   peak_per_rank: bool = False) -> timing.TimeEstimate:
-    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel. A measured (CPU)
+    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel; FSDP accumulates
+    whole gradients and reduce-scatters once per step (parallel/data.py). A measured (CPU)
     profile is one host that runs every rank of the job (a local run, or the local Slurm cluster's nodes): its
     GEMM rate is the host's, shared by the ranks, and more ranks than cores slow the host's own work as much, unless
     peak_per_rank (a rate each rank measured with the others computing, one rank per core); it takes the
@@ -68,7 +69,11 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
         cpu = {k: v * crowd for k, v in cpu.items()}  # host work is CPU time too
     return timing.estimate(timing.Shape.of(plan.dims), hw, seq_len=cfg.data.seq_len, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.dp,
-                           virtual_stages=p.pp_virtual_stages, schedule=p.pp_schedule, zero_stage=p.zero_stage,
+                           virtual_stages=p.pp_virtual_stages, schedule=p.pp_schedule,
+                           # under pipeline parallel hpctrain's ZeRO-3 gathers once per step and keeps the stage
+                           # whole (the plan's note): ZeRO-2's traffic
+                           zero_stage=2 if p.zero_stage == 3 and lay.pp > 1 else p.zero_stage,
+                           accumulate_unsharded=True,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, tp_projections="separate",
                            efficiency=timing.MEASURED_EFFICIENCY if hw.measured else None,

@@ -29,9 +29,10 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
 - data parallel, on the stage's parameters P (params / (t p)), N = dp: DDP 2 (N-1)/N P g once per step (g: grad
   reduce bytes, fp32 by default as hpctrain's train.reduce_dtype); ZeRO-1/2 a reduce-scatter of grads plus an
   all-gather of 16-bit params; ZeRO-3/FSDP per micro-batch an all-gather forward, again backward, and a reduce-
-  scatter. Layout (hpctrain's and Megatron's): tp innermost in a node, then dp, then pp. A dp group with k =
-  gpus_per_node / t ranks per node that spans nodes runs at min(NVLink, k x NIC) (its k ranks use k NICs; NCCL
-  runs one ring per NIC), else on NVLink.
+  scatter (once per step with accumulate_unsharded, as hpctrain accumulates whole gradients). Layout (hpctrain's
+  and Megatron's): tp innermost in a node, then dp, then pp. A dp group with k = gpus_per_node / t ranks per node
+  that spans nodes runs at min(NVLink, k x NIC) (its k ranks use k NICs; NCCL runs one ring per NIC), else on
+  NVLink.
   With dp_overlap the collectives hide behind compute (ZeRO-0-2: one micro-batch's, ZeRO-3: every micro-batch's)
   except the last block's share (a bucket cannot start before its gradients exist).
 - pipeline point-to-point: per micro-batch and virtual stage one send forward and one backward of b s d / t bytes
@@ -168,10 +169,11 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              sequence_parallel: bool = False, recompute: str = "none", ac_every: int = 2, precision: str = "bf16",
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
-             host_step_s: float = 0.0) -> TimeEstimate:
+             host_step_s: float = 0.0, accumulate_unsharded: bool = False) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see CPU_HOST_S), per
-    block and micro-batch on the busiest stage and per step."""
+    block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
+    gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel)."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -218,7 +220,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     elif zero_stage in (1, 2):
         dp_comm = ring(dp) * p_rank * (reduce_b + act) / dp_link
     else:
-        dp_comm = m * ring(dp) * p_rank * (2 * act + reduce_b) / dp_link
+        dp_comm = ring(dp) * p_rank * (2 * m * act + (1 if accumulate_unsharded else m) * reduce_b) / dp_link
     hideable = compute if zero_stage == 3 else compute / m
     dp_exposed = max(dp_comm / blocks, dp_comm - hideable) if dp_overlap else dp_comm
 

@@ -216,6 +216,15 @@ def test_communication_scaling():
     assert run(tp=2, dp=16, pp=1, global_batch=64).basis["dp_link_gbps"] == 4 * 50  # 4 ranks per node, 4 NICs
 
 
+def test_fsdp_accumulating_whole_gradients_reduces_once():
+    per_micro, once = run(accumulate_unsharded=False), run(accumulate_unsharded=True)
+    m = per_micro.basis["microbatches"]
+    gather, reduce = 2 * 2, 4  # bytes per parameter: bf16 all-gathers forward and backward, fp32 reduce-scatter
+    assert once.terms["dp_comm_total_s"] == pytest.approx(
+        per_micro.terms["dp_comm_total_s"] * (m * gather + reduce) / (m * (gather + reduce)))
+    assert run(zero_stage=2, accumulate_unsharded=True).terms == run(zero_stage=2).terms  # ZeRO-3 only
+
+
 def test_overlap_hides_at_most_the_compute():
     slow = profile("h100-sxm", {"inter_node_gbps": 0.5, "intra_node_gbps": 5})
     for kw in ({"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 3}, {"tp_overlap": True}):
