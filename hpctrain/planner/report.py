@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from hpctrain.planner.hardware import Hardware
 
 GB = 1e9
+MEASURED_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # in-flight counts measured (planner/peak.py)
 MARGIN = 0.10  # of the predicted bytes, for the allocator's fragmentation and buffers not modelled
 
 
@@ -93,6 +94,10 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
     ckpt = checkpoint_cost(checkpoint_bytes(plan.dims, cfg.world_size), storage_gbps, cfg.job.nodes, node_mtbf_h,
                            cfg.job.signal_delay_s)
     notes = list(plan.notes)
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule not in MEASURED_SCHEDULES:
+        notes.append(f"parallel.pp_schedule = {cfg.parallel.pp_schedule!r}: the micro-batches it keeps in flight are "
+                     f"not measured (the memory model counts {', '.join(MEASURED_SCHEDULES)}'s; zbv was seen 24% "
+                     f"above it): take the memory prediction as a lower bound")
     fits = total <= hw.memory_gb * GB
     if not fits:
         notes.append(f"does not fit: {total / GB:.1f} GB per GPU predicted (peak {worst['peak'] / GB:.1f} at the "
@@ -119,8 +124,9 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
 def describe(out: dict[str, Any]) -> str:
     """A few lines for a terminal."""
     lay, st, ck = out["layout"], out["model_states_gb"], out["checkpoint"]
+    device = "ranks (one host)" if out["gpu"] == "cpu" else "GPUs"
     lines = [f"layout pp={lay['pp']} dp={lay['dp']} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
-             f"{out['gpu']} GPUs; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
+             f"{out['gpu']} {device}; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
              f"{out['global_batch']} (micro {out['micro_batch']})",
              f"memory per GPU: {out['memory_gb_per_gpu']:.2f} GB of {out['gpu_memory_gb']:g} GB (parameters "
              f"{st['params']:.2f}, gradients {st['grads']:.2f}, AdamW {st['optimizer']:.2f}, activations "
@@ -128,7 +134,7 @@ def describe(out: dict[str, Any]) -> str:
              f"+{out['memory_margin']:.0%}) -> "
              f"{'fits' if out['fits'] else 'DOES NOT FIT'}",
              f"step {out['step_time_s']:.3g} s: {out['tokens_per_s']:,.0f} tokens/s, "
-             f"{out['model_tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {out['mfu']:.1%}, HFU {out['hfu']:.1%})",
+             f"{out['model_tflops_per_gpu']:.3g} TFLOP/s per GPU (MFU {out['mfu']:.1%}, HFU {out['hfu']:.1%})",
              f"checkpoint {ck['size_gb']:.2f} GB: save/load {ck['save_s']:.1f} s at {ck['storage_gbps']:g} GB/s; "
              f"job MTBF {ck['job_mtbf_h']:.1f} h -> save every {ck['young_daly_interval_s'] / 60:.1f} min "
              f"(Young/Daly)"]

@@ -136,3 +136,12 @@ def test_search_ranks_what_fits_and_names_the_rest() -> None:
     assert oom[0] > 0 and 0 < oom[1] <= oom[2]
     out = CliRunner().invoke(cli, ["plan", str(LLAMA), "--search", "--json"])
     assert out.exit_code == 0 and len(json.loads(out.output)) == len(fit)
+
+
+def test_unmeasured_schedule_is_named_as_a_lower_bound() -> None:
+    gpu = REPO / "slurm" / "examples" / "gpu-4x8.toml"
+    for schedule, virtual, said in (("zbv", 2, True), ("interleaved_1f1b", 2, False), ("1f1b", 1, False)):
+        cfg = load_config(gpu, [f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={virtual}",
+                                "parallel.zero_stage=2"])
+        notes = evaluate(cfg, profile("h100-sxm"), 5.0)["notes"]
+        assert any(f"parallel.pp_schedule = {schedule!r}" in n and "lower bound" in n for n in notes) == said
