@@ -101,7 +101,9 @@ def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
         in bad.output and "#SBATCH" not in bad.output, bad.output
     forced = runner.invoke(cli, args + ["--no-memory-check"])
     assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
-    unnamed = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run"])
+    named = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run"])  # the example names its GPU
+    assert named.exit_code == 0 and "planner: memory per GPU: 63.33 GB of 80 GB" in named.output, named.output
+    unnamed = runner.invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "gpu-4x8.toml"), "--dry-run"])
     assert unnamed.exit_code == 0 and "set job.gpu" in unnamed.output
     wrong = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100"])
     assert wrong.exit_code == 2 and "job.gpu = 'h100': unknown hardware profile 'h100'" in wrong.output
