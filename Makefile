@@ -21,7 +21,7 @@ install: $(STAMP)
 $(STAMP): setup.py setup.cfg
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]" $(MPI_WHEEL)
+	$(BIN)/python -m pip install -q -e ".[test,hf]" $(MPI_WHEEL)
 	touch $(STAMP)
 
 test: install data/corpus.bin

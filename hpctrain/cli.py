@@ -6,7 +6,7 @@
     hpctrain bench COLL... [nccl-tests flags]              # collective benchmark; `bench gemm` for matmul
     hpctrain data build OUT [INPUTS...]                    # byte-level token datasets
     hpctrain plot RUN_DIR                                  # training curves
-    hpctrain ckpt ls|inspect|verify|export ...             # checkpoints
+    hpctrain ckpt ls|inspect|verify|export ...             # checkpoints (export --format hf: transformers)
 
 Config and layout errors exit with status 2 and a message naming the value, before anything is submitted. A rank
 of `train` that fails ends the whole launch: under MPI with MPI_Abort, else by exiting non-zero (srun's
@@ -346,19 +346,30 @@ def ckpt_verify(ckpt: str, mode: str) -> None:
 
 @ckpt_group.command(name="export")
 @CKPT_ARG
-@click.option("--to", "fmt", required=True, type=click.Choice(["safetensors"]), help="Output format.")
-@click.option("-o", "--out", default=None, type=click.Path(dir_okay=False),
-              help="Output file (default: ./<step directory>.safetensors).")
+@click.option("--to", "--format", "fmt", required=True, type=click.Choice(["safetensors", "hf"]),
+              help="safetensors: one file under hpctrain's names; hf: a Hugging Face LlamaForCausalLM directory.")
+@click.option("-o", "--out", default=None, type=click.Path(),
+              help="Output file, or directory for hf (default: ./<step directory>.safetensors or ./<step>-hf).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="hf: the weights' dtype (default: saved).")
+@click.option("--max-shard-gb", type=float, default=5.0, show_default=True,
+              help="hf: above this many GB of weights, several files and model.safetensors.index.json.")
 @user_errors
-def ckpt_export(ckpt: str, fmt: str, out: str | None) -> None:
-    """Write the model as one file for inference.
+def ckpt_export(ckpt: str, fmt: str, out: str | None, dtype: str | None, max_shard_gb: float) -> None:
+    """Write the model for inference, from any layout it was saved in.
 
-    The model tensors of CKPT, assembled from their shards in whatever layout saved them, without the "model."
-    prefix, in their saved dtypes."""
-    from hpctrain.checkpoint import inspection
+    safetensors: CKPT's model tensors without the "model." prefix, in their saved dtypes, in one file. hf: a
+    directory transformers loads as LlamaForCausalLM, streamed tensor by tensor; a non-empty --out is refused."""
+    from hpctrain.checkpoint import hf, inspection
 
     path = inspection.resolve(Path(ckpt))
+    if fmt == "safetensors" and dtype is not None:
+        raise click.UsageError(f"--dtype {dtype} applies to --format hf only")
+    if not max_shard_gb > 0:
+        raise click.UsageError(f"--max-shard-gb {max_shard_gb} must be positive")
     try:
+        if fmt == "hf":
+            return click.echo(hf.format_export(hf.export_hf(path, Path(out or f"{path.name}-hf"), dtype,
+                                                            int(max_shard_gb * 1e9)), path))
         done = inspection.export_safetensors(path, Path(out or f"{path.name}.{fmt}"))
     except inspection.CheckpointCorrupt as e:
         raise click.ClickException(str(e)) from None

@@ -5,6 +5,7 @@ bytes, export its model as one safetensors file for inference. What `hpctrain ck
     hpctrain ckpt inspect runs/.../checkpoints/step_00000004 [--json]
     hpctrain ckpt verify runs/.../checkpoints/step_00000004 [--full|--sampled]
     hpctrain ckpt export runs/.../checkpoints/step_00000004 --to safetensors [-o model.safetensors]
+    hpctrain ckpt export runs/.../checkpoints/step_00000004 --format hf --out DIR   # checkpoint/hf.py
 
 A run directory in place of a step directory means its newest committed checkpoint. Everything is read from
 index.json (JSON, no pickle), train_state.json, the COMMITTED marker and the HDF5 datasets themselves.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import json
 import struct
 from collections import defaultdict
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,9 +233,17 @@ def format_verdict(ckpt: Path, v: Verdict) -> str:
 
 # -- export -----------------------------------------------------------------------------------------------------
 
-def export_safetensors(ckpt: Path, out: Path) -> dict[str, Any]:
-    """The model's full tensors (FQNs under "model.", prefix dropped) assembled from their shards into one
-    safetensors file, written through a temporary name. Every dataset read is checked against its crc32."""
+@dataclass
+class ModelTensors:
+    """The model's tensors in a checkpoint (FQNs under "model.", in index order) and where their pieces lie."""
+    ckpt: Path
+    reader: HDF5Reader
+    tensors: list[tuple[str, TensorStorageMetadata]]
+    pieces: dict[str, list[tuple[tuple[int, ...], Stored]]]  # fqn -> (offsets, stored dataset) of each shard
+
+
+def model_tensors(ckpt: Path) -> ModelTensors:
+    """Reads index.json (no tensor data); ValueError when the checkpoint holds no model tensors."""
     reader, md = read_index(ckpt)
     pieces: dict[str, list[tuple[tuple[int, ...], Stored]]] = defaultdict(list)
     for index, s in md.storage_data.items():
@@ -242,50 +252,75 @@ def export_safetensors(ckpt: Path, out: Path) -> dict[str, Any]:
              if fqn.startswith(MODEL_PREFIX) and isinstance(tmd, TensorStorageMetadata)]
     if not model:
         raise ValueError(f"{ckpt} holds no tensors under {MODEL_PREFIX!r}: nothing to export")
-    # widest items first, so every tensor starts aligned to its item size (the header is padded to 8 bytes)
-    model.sort(key=lambda x: -x[1].properties.dtype.itemsize)
-    header, data_bytes = _safetensors_header(ckpt, model)
-    with replacing(out) as tmp:  # fsynced, renamed, directory fsynced; removed if writing fails
-        _write_safetensors(tmp, header, data_bytes, reader, ckpt, model, pieces)
-    return {"path": str(out), "num_tensors": len(model), "bytes": out.stat().st_size,
-            "params": sum(tmd.size.numel() for _, tmd in model)}
+    return ModelTensors(ckpt, reader, model, pieces)
 
 
-def _safetensors_header(ckpt: Path, model: list[tuple[str, TensorStorageMetadata]]) -> tuple[bytes, int]:
-    """The JSON header (tensors in the given order, back to back) and the size of the data after it."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for fqn, tmd in model:
-        dtype = str(tmd.properties.dtype).removeprefix("torch.")
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{fqn} has dtype {dtype}, which safetensors cannot hold")
-        nbytes = tmd.size.numel() * tmd.properties.dtype.itemsize
-        header[fqn.removeprefix(MODEL_PREFIX)] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(tmd.size),
-                                                  "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    marker = _json_or_none(ckpt / MARKER) or {}
-    meta = {"format": "pt", "source": str(ckpt.absolute()), "step": marker.get("step", ""),
-            "git_commit": marker.get("git_commit", ""), "saved_at": marker.get("saved_at", "")}
-    header["__metadata__"] = {k: str(v) for k, v in meta.items()}
-    text = json.dumps(header, separators=(",", ":")).encode("ascii")
-    return text + b" " * (-len(text) % 8), offset
-
-
-def _write_safetensors(tmp: Path, header: bytes, data_bytes: int, reader: HDF5Reader, ckpt: Path,
-                       model: list, pieces: dict) -> None:
-    with ExitStack() as files, open(tmp, "wb") as fh:
+@contextmanager
+def full_tensor_reader(mt: ModelTensors) -> Iterator[Callable[[str, tuple[int, ...]], np.ndarray]]:
+    """read(fqn, size) -> that tensor's full value assembled from its shards, as stored (raw bits for bfloat16 and
+    float8), every dataset checked against its crc32. Each shard file is opened once, on first use, and closed on
+    exit; one tensor is in memory at a time when the caller drops each before reading the next."""
+    with ExitStack() as files:
         opened: dict[str, h5py.File] = {}
 
         def open_file(s: Stored) -> h5py.File:
             if s.file not in opened:
-                opened[s.file] = files.enter_context(reader.open_file(s.file, s.file_bytes))
+                opened[s.file] = files.enter_context(mt.reader.open_file(s.file, s.file_bytes))
             return opened[s.file]
 
-        fh.write(struct.pack("<Q", len(header)) + header)
-        for fqn, tmd in model:
-            arr = _assemble(ckpt, fqn, tuple(tmd.size), pieces[fqn], open_file)
-            fh.write(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
-        assert fh.tell() == 8 + len(header) + data_bytes, (fh.tell(), len(header), data_bytes)
+        yield lambda fqn, size: _assemble(mt.ckpt, fqn, size, mt.pieces[fqn], open_file)
+
+
+def safetensors_dtype(dtype: Any, name: str) -> str:
+    """The safetensors code of a torch dtype; ValueError naming the tensor when safetensors cannot hold it."""
+    key = str(dtype).removeprefix("torch.")
+    if key not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{name} has dtype {key}, which safetensors cannot hold")
+    return SAFETENSORS_DTYPES[key]
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...], int]],
+                      arrays: Iterable[np.ndarray], meta: dict[str, str]) -> None:
+    """One safetensors file: entries (name, safetensors dtype, shape, bytes) back to back in the given order, their
+    data taken from `arrays` one at a time (any numpy dtype of the right byte size: raw bits are written
+    little-endian). Put the widest item sizes first so every tensor starts aligned (the header is padded to 8)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = meta
+    text = json.dumps(header, separators=(",", ":")).encode("ascii")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        for (name, _, _, nbytes), arr in zip(entries, arrays, strict=True):
+            raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+            assert len(raw) == nbytes, (name, len(raw), nbytes)
+            fh.write(raw)
+        assert fh.tell() == 8 + len(text) + offset, (fh.tell(), len(text), offset)
+
+
+def provenance_meta(ckpt: Path) -> dict[str, str]:
+    """What an exported file records of its source, as safetensors metadata (strings only)."""
+    marker = _json_or_none(ckpt / MARKER) or {}
+    meta = {"format": "pt", "source": str(ckpt.absolute()), "step": marker.get("step", ""),
+            "git_commit": marker.get("git_commit", ""), "saved_at": marker.get("saved_at", "")}
+    return {k: str(v) for k, v in meta.items()}
+
+
+def export_safetensors(ckpt: Path, out: Path) -> dict[str, Any]:
+    """The model's full tensors (FQNs under "model.", prefix dropped) assembled from their shards into one
+    safetensors file, written through a temporary name. Every dataset read is checked against its crc32."""
+    mt = model_tensors(ckpt)
+    # widest items first, so every tensor starts aligned to its item size (the header is padded to 8 bytes)
+    model = sorted(mt.tensors, key=lambda x: -x[1].properties.dtype.itemsize)
+    entries = [(fqn.removeprefix(MODEL_PREFIX), safetensors_dtype(tmd.properties.dtype, fqn), tuple(tmd.size),
+                tmd.size.numel() * tmd.properties.dtype.itemsize) for fqn, tmd in model]
+    with full_tensor_reader(mt) as read, replacing(out) as tmp:  # fsynced, renamed; removed if writing fails
+        write_safetensors(tmp, entries, (read(fqn, tuple(tmd.size)) for fqn, tmd in model), provenance_meta(ckpt))
+    return {"path": str(out), "num_tensors": len(model), "bytes": out.stat().st_size,
+            "params": sum(tmd.size.numel() for _, tmd in model)}
 
 
 def _assemble(ckpt: Path, fqn: str, size: tuple[int, ...], pieces: list, open_file) -> np.ndarray:

@@ -2,7 +2,9 @@
 in the same layout is bitwise the uninterrupted run; the same checkpoint (dp=2, tp=2, ZeRO-3) loads into dp=4 and
 tp=4 and the following losses match; an asynchronous save writes the same bytes as a synchronous one. A pipeline
 checkpoint (pp=2 x tp=2) resumes bitwise in its own layout and reshards to pp=1 x tp=2 x dp=2 (ZeRO-3) and to
-pp=4; the pipeline run's summary carries its per-stage timing and bubble."""
+pp=4; the pipeline run's summary carries its per-stage timing and bubble. The tp2 x dp2 ZeRO-3 checkpoint of a GQA
+model exported for Hugging Face gives transformers the trained model's logits (the 1-rank export and the export's
+other checks: tests/pure/test_hf_export.py)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,7 @@ from hpctrain.checkpoint.manager import committed
 
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]
 PP_LAYOUT = ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
+HF_MODEL = ["model.n_kv_heads=2", "model.vocab_size=200", "train.lr=0.05"]
 LOSS_TOL, WEIGHT_TOL = 2e-5, 2e-4  # across layouts: fp32 reduction order differs
 
 
@@ -49,6 +52,8 @@ def _cases(out: Path) -> list[dict]:
         {"name": "async_first", "overrides": LAYOUT + ["train.steps=8", "checkpoint.every_steps=2",
                                                        "checkpoint.async_save=true", ck("ckG")], "preempt_at": 3},
         {"name": "async_resumed", "overrides": LAYOUT + ["train.steps=8", ck("ckG"), "checkpoint.at_end=false"]},
+        # for the Hugging Face export: GQA, vocabulary 200 padded to 256, saved at the end (step 2)
+        {"name": "hf", "overrides": LAYOUT + HF_MODEL + ["train.steps=2", ck("ckH")]},
     ]
 
 
@@ -138,3 +143,19 @@ def test_pipeline_summary(runs) -> None:
         assert 0 < r["compute_s"] < r["step_s"] and 0 < r["idle_fraction"] < 1
     assert runs["pp_to_pp4"]["pipeline"]["stage_layers"] == [[0], [1], [2], [3]]
     assert runs["pp_to_tp2dp2"]["pipeline"] is None
+
+
+def test_hf_export_from_tp2_dp2_zero3(runs, tmp_path) -> None:
+    """The checkpoint of 4 ranks (tp=2 x dp=2, ZeRO-3) exported for transformers computes the trained logits."""
+    from hfcheck import LOGIT_TOL, logit_diff
+
+    from hpctrain.checkpoint.hf import export_hf
+
+    ckpt, out = runs["out"] / "ckH" / "step_00000002", tmp_path / "hf"
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    assert marker["layout"] == {"pp": 1, "dp": 2, "tp": 2, "zero_stage": 3} and len(list(ckpt.glob("*.h5"))) == 4
+    done = export_hf(ckpt, out)
+    assert (done["vocab_size"], done["padded_vocab_size"], done["num_shards"]) == (200, 256, 1)
+    diff = logit_diff(out, ckpt, runs["hf"]["weights"], 48)
+    print(f"tp2 x dp2 ZeRO-3: max |logit diff| {diff:.2e}")
+    assert diff <= LOGIT_TOL

@@ -46,8 +46,8 @@ LEVELS: list[list[str]] = [
     ["checkpoint/checkpointer"],
     # 8: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 9: submission, on the login node (torch only when a dry run checks the model)
-    ["launch"],
+    # 9: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export
+    ["launch", "checkpoint/hf"],
     # 10: the `hpctrain` command
     ["cli"],
 ]

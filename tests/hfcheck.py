@@ -1,0 +1,59 @@
+"""The check that an exported Hugging Face directory computes what hpctrain computes: the logits of
+transformers' LlamaForCausalLM loaded from the export, against hpctrain's own Transformer holding the trained
+weights (taken from the live model, not read back from the checkpoint), on the same tokens. Used by
+tests/pure/test_hf_export.py (1 rank) and tests/multiproc/test_checkpoint_train.py (tp2 x dp2 ZeRO-3).
+Imports transformers, which `make install` brings in (setup.cfg extras "hf").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+LOGIT_TOL = 1e-4  # fp32: the two implementations differ only in the order of their float operations
+
+
+def tokens(vocab: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """(2, seq_len) ids below vocab, the same for every caller with the same arguments."""
+    return torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(out: Path, ids: torch.Tensor) -> torch.Tensor:
+    """LlamaForCausalLM from the exported directory, in fp32: logits (B, T, vocab of its config.json)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def hpctrain_logits(weights: dict[str, torch.Tensor], dims, ids: torch.Tensor) -> torch.Tensor:
+    """hpctrain's Transformer holding `weights` (names without "model."), fp32: logits over the real vocabulary
+    (padding columns dropped). Tied only when the weights hold one matrix for both ends."""
+    from hpctrain.model import Transformer
+
+    tied = "output.weight" not in weights or torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
+    dims = dataclasses.replace(dims, tie_embeddings=dims.tie_embeddings and tied)
+    model = Transformer(dims)
+    model.init_buffers()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= ({"output.weight"} if dims.tie_embeddings else set()), (
+        missing, unexpected)
+    with torch.no_grad():
+        return model.eval()(ids)[..., :dims.true_vocab_size or dims.vocab_size]
+
+
+def logit_diff(out: Path, ckpt: Path, weights: dict[str, torch.Tensor], seq_len: int) -> float:
+    """Max |hpctrain - transformers| over the logits of the same random tokens; checks the shapes agree."""
+    from hpctrain.checkpoint.hf import run_dims
+    from hpctrain.checkpoint.layout import read_committed
+
+    dims = run_dims(read_committed(ckpt)[0], ckpt)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    ids = tokens(vocab, seq_len)
+    ours, theirs = hpctrain_logits(weights, dims, ids), hf_logits(out, ids)
+    assert ours.shape == theirs.shape == (*ids.shape, vocab), (ours.shape, theirs.shape)
+    assert ours.abs().max() > 0.1  # not a vacuous comparison of near-zero logits
+    return (ours - theirs).abs().max().item()
