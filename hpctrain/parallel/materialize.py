@@ -33,6 +33,15 @@ def init_weights(model: nn.Module, dims: ModelDims, seed: int) -> None:
             init_slice(clean_name(name), p.shape, dims, seed, offset, shape, out=local)
 
 
+def retie(model: nn.Module) -> None:
+    """to_empty gives every module its own new parameter, so a tied output projection comes back as a second
+    matrix, initialised and trained on its own: point it at the embedding's again (the same local shard under
+    tensor parallel, where both are vocabulary-sharded Shard(0); pipeline parallel refuses tying)."""
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if model.dims.tie_embeddings and emb is not None and out is not None and out.weight is not emb.weight:
+        out.weight = emb.weight
+
+
 def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device,
                 parts: list[nn.Module] | None = None, fill: bool = True) -> Callable[[], None] | None:
     """Allocates the (sharded) parameters on `device` and fills them (init_weights), or with fill=False leaves them
@@ -40,6 +49,7 @@ def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.devi
     each stage module (an FSDP root) allocates what it holds; together they cover the model."""
     for part in parts or [model]:
         part.to_empty(device=device)
+        retie(part)
     for m in [model, *(parts or [])]:
         m.init_buffers(device)
     if fill:

@@ -49,6 +49,8 @@ TWO = [
 ]
 FOUR = [
     {"name": "tp2dp2_zero3", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
+    {"name": "tp2dp2_zero3_tied", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4",
+                                                "model.tie_embeddings=true"]},
     {"name": "tp2dp2_zero0", "overrides": ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2",
                                            "train.grad_accum=2"]},
     {"name": "tp2dp2_zero2_ac", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=4",
@@ -77,6 +79,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case(["train.micro_batch_size=2", "train.grad_accum=4"], out / "accum4.pt")
     run_case(["train.ac=full"], out / "ac_full.pt")
     run_case(FOUR_LAYERS, out / "ref4.pt")
+    run_case(["model.tie_embeddings=true"], out / "ref_tied.pt")
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = spawn_train_worker(4, FOUR, out)
     logs += [p.communicate(timeout=600)[0] for p in running[4]]
@@ -92,6 +95,16 @@ def results(tmp_path_factory) -> dict[str, dict]:
                                   "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+def test_tied_embeddings_stay_one_matrix(results) -> None:
+    """model.tie_embeddings: the output projection is the embedding, in one process and under tp2 x dp2 ZeRO-3
+    (materialising on the device once gave each its own copy, trained apart)."""
+    for name in ("ref_tied", "tp2dp2_zero3_tied"):
+        w = results[name]["weights"]
+        assert torch.equal(w["output.weight"], w["tok_embeddings.weight"]), name
+    compare_runs(results["tp2dp2_zero3_tied"], results["ref_tied"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results["ref_tied"]["losses"][-1] != results["ref"]["losses"][-1]  # tying changed what was trained
 
 
 @pytest.mark.parametrize("case", ["pp2_gpipe", "pp2_1f1b", "pp2tp2", "pp2dp2_zero0", "pp2dp2_zero3"])

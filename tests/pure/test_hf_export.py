@@ -94,9 +94,11 @@ def test_tied_run_exports_what_it_saved(tmp_path) -> None:
     ckpt, weights = _train(tmp_path, "model.tie_embeddings=true")
     out = tmp_path / "hf"
     said = _export(ckpt, "--format", "hf", "--out", out)
-    one_matrix = torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is one_matrix
-    assert ("written untied" in said) is not one_matrix
+    # one matrix since parallel/materialize.py re-ties after to_empty; a checkpoint of a run from before that fix
+    # holds two, and is written untied (hf.py)
+    assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "written untied" not in said
     assert logit_diff(out, ckpt, weights, SEQ) <= LOGIT_TOL
 
 
