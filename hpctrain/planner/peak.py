@@ -85,7 +85,8 @@ def stage_activations(cfg: Config, plan: Plan, pp_rank: int) -> tuple[float, flo
 
 def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> dict[str, float]:
     """The peak live bytes of the rank at pipeline rank pp_rank holding `states` (memory.model_states): "peak",
-    the moment it happens at ("phase") and the activations in flight at the backward ("activations")."""
+    the moment it happens at ("phase"), every moment's bytes ("moments") and the activations in flight at the
+    backward ("activations")."""
     p, t, lay, dims = cfg.parallel, cfg.train, plan.layout, plan.dims
     zero = p.zero_stage if lay.dp > 1 else -1
     fsdp = zero in (2, 3)
@@ -133,4 +134,4 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     if (zero == 0 and lay.tp > 1 and plan.stages is None) or (plan.stages is not None and zero in (0, 1)):
         moments["sync"] = masters + opt + 2 * grads + buffers
     phase = max(moments, key=moments.get)
-    return {"peak": moments[phase], "activations": acts, "phase": phase}
+    return {"peak": moments[phase], "activations": acts, "phase": phase, "moments": moments}
