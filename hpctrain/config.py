@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpctrain import hfconfig
+
 
 def _check(ok: bool, msg: str) -> None:
     if not ok:
@@ -187,6 +189,8 @@ class ModelConfig:
     ffn_dim: int = 0  # 0: about 8/3 * dim, rounded up to a multiple of 64
     max_seq_len: int = 256
     tie_embeddings: bool = False
+    rope_theta: float = 10000.0  # RoPE base; train.init_from = "hf:PATH" takes it (and the sizes) from config.json
+    norm_eps: float = 1e-5  # RMSNorm epsilon
 
     def __post_init__(self) -> None:
         _check_fields("model", self)
@@ -197,6 +201,8 @@ class ModelConfig:
         kv = self.n_kv_heads or self.n_heads
         _check(self.n_heads % kv == 0,
                f"model.n_heads = {self.n_heads} is not divisible by model.n_kv_heads = {kv}")
+        _check(self.rope_theta > 0 and self.norm_eps > 0,
+               f"model.rope_theta = {self.rope_theta}, model.norm_eps = {self.norm_eps} must be > 0")
 
 
 @dataclass
@@ -226,11 +232,16 @@ class TrainConfig:
     tf32: bool = True  # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs)
     prefetch: int = 2  # batches a background thread prepares ahead (pinned on CUDA); 0: load in the step
     resume: str = "auto"  # auto: newest committed checkpoint of the run, if any | none | a checkpoint directory
+    # "hf:PATH": start from a Hugging Face Llama directory's weights (unless resuming from our own checkpoint);
+    # [model] keys left out are taken from its config.json, keys given must agree with it. "": the seeded init
+    init_from: str = ""
+    eval_every: int = 0  # validation loss every this many steps, and after the last; 0: never
+    eval_batches: int = 8  # global micro-batches of the validation split per evaluation, the same ones each time
 
     def __post_init__(self) -> None:
         _check_fields("train", self)
-        _positive("train", self, "micro_batch_size", "grad_accum", "log_every", "ac_every")
-        _positive("train", self, "steps", "global_batch_size", "warmup_steps", "scale_lr_with_batch",
+        _positive("train", self, "micro_batch_size", "grad_accum", "log_every", "ac_every", "eval_batches")
+        _positive("train", self, "eval_every", "steps", "global_batch_size", "warmup_steps", "scale_lr_with_batch",
                   "weight_decay", "grad_clip", "peak_tflops", "prefetch", allow_zero=True)
         _check(self.lr > 0, f"train.lr = {self.lr} must be > 0")
         _check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio = {self.min_lr_ratio} must be within [0, 1]")
@@ -243,21 +254,46 @@ class TrainConfig:
         _check(len(self.profile_steps) in (0, 2) and (not self.profile_steps or
                                                       0 <= self.profile_steps[0] <= self.profile_steps[1]),
                f"train.profile_steps = {self.profile_steps} must be [] or [first, last] with first <= last")
+        _check(self.init_from == "" or (self.init_from.startswith("hf:") and len(self.init_from) > 3),
+               f"train.init_from = {self.init_from!r} must be '' or 'hf:PATH' (a Hugging Face Llama directory)")
 
 
 @dataclass
 class DataConfig:
     """[data]: where tokens come from."""
     source: str = "synthetic"  # synthetic | bin | hdf5
-    path: str = ""
+    path: str = ""  # one token file; or data.paths for a blend
+    paths: list[str] = field(default_factory=list)  # several token files mixed by data.weights
+    weights: list[float] = field(default_factory=list)  # one per entry of data.paths, > 0; []: equal shares
+    # validation split for train.eval_every; "": beside each training file, its "<stem>.val<suffix>" (what
+    # `hpctrain data build --val-fraction` writes), blended with the same weights; synthetic data: another seed
+    val_path: str = ""
     seq_len: int = 128
 
     def __post_init__(self) -> None:
         _check_fields("data", self)
         _one_of("data", "source", self.source, ("synthetic", "bin", "hdf5"))
         _positive("data", self, "seq_len")
-        _check(self.source == "synthetic" or self.path != "",
-               f"data.source = {self.source!r} needs data.path")
+        _check(not (self.path and self.paths), f"data.path = {self.path!r} and data.paths = {self.paths}: give "
+               f"one file as data.path or several as data.paths, not both")
+        _check(self.source == "synthetic" or self.path != "" or self.paths != [],
+               f"data.source = {self.source!r} needs data.path (or data.paths)")
+        _check(not self.weights or len(self.weights) == len(self.paths), f"data.weights = {self.weights} needs one "
+               f"weight per entry of data.paths ({len(self.paths)} entries)")
+        _check(all(w > 0 for w in self.weights), f"data.weights = {self.weights}: every weight must be > 0")
+        _check(len(set(self.paths)) == len(self.paths), f"data.paths = {self.paths} names a file twice: give it "
+               f"a larger weight instead")
+
+    @property
+    def files(self) -> list[str]:
+        """The training token files: data.paths, or [data.path]; [] for synthetic data."""
+        return list(self.paths) or ([self.path] if self.path else [])
+
+    @property
+    def shares(self) -> list[float]:
+        """Each training file's share of the samples, summing to 1 (equal shares when data.weights is [])."""
+        weights = self.weights or [1.0] * len(self.files)
+        return [w / sum(weights) for w in weights]
 
 
 @dataclass
@@ -349,6 +385,9 @@ def _parse_override(text: str) -> tuple[str, str, object]:
 def from_dict(raw: dict[str, typing.Any]) -> Config:
     """Builds and validates a Config from nested dicts ({"job": {"nodes": 2}, ...})."""
     sections = {}
+    raw = dict(raw)
+    if isinstance(raw.get("train"), dict) and isinstance(raw["train"].get("init_from"), str):
+        raw.setdefault("model", {})  # an HF directory gives the sizes even with no [model] section
     for name, table in raw.items():
         if name not in SECTIONS:
             raise ValueError(f"unknown section [{name}]{_suggest(name, SECTIONS)}")
@@ -357,6 +396,9 @@ def from_dict(raw: dict[str, typing.Any]) -> Config:
         cls = SECTIONS[name]
         hints = typing.get_type_hints(cls)
         kwargs = {}
+        if name == "model":  # train.init_from = "hf:PATH": the directory's config.json fills in and checks [model]
+            init_from = raw.get("train", {}).get("init_from", "") if isinstance(raw.get("train"), dict) else ""
+            table = hfconfig.model_table(init_from, table) if isinstance(init_from, str) else table
         for key, value in table.items():
             if key not in hints:
                 raise ValueError(f"unknown key {name}.{key}{_suggest(key, hints)}")

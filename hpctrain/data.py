@@ -14,6 +14,7 @@ Reading token files (ArraySource, HDF5Source, their checks and id-scan cache) li
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import sys
@@ -224,6 +225,30 @@ def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
         raise ValueError(f"{name} holds {len(source)} tokens, fewer than one sequence of "
                          f"data.seq_len + 1 = {cfg.seq_len + 1}")
     return source
+
+
+VAL_SEED_OFFSET = 1_000_003  # synthetic validation data: a stream no training seed of a run draws
+
+
+def val_file(path: str) -> str:
+    """Where `hpctrain data build --val-fraction` puts the validation split of `path`: "<stem>.val<suffix>"."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".val" + p.suffix))
+
+
+def open_val_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
+    """The validation split train.eval_every evaluates: data.val_path when set, else the "<stem>.val<suffix>"
+    file beside data.path; for synthetic data the same generator on another seed. Checked as open_source checks."""
+    if cfg.source == "synthetic":
+        return open_source(cfg, vocab_size, seed + VAL_SEED_OFFSET)
+    if cfg.paths and not cfg.val_path:
+        raise ValueError(f"data.paths = {cfg.paths}: set data.val_path for train.eval_every (blended validation "
+                         f"splits are not read yet)")
+    path = cfg.val_path or val_file(cfg.path)
+    if not Path(path).is_file():
+        raise ValueError(f"validation split {path!r} does not exist: set data.val_path, or build the data with "
+                         f"`hpctrain data build --val-fraction`, or set train.eval_every = 0")
+    return open_source(dataclasses.replace(cfg, path=path, paths=[], weights=[]), vocab_size, seed)
 
 
 # --- loader -----------------------------------------------------------------------------------------------

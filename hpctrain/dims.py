@@ -36,7 +36,7 @@ class ModelDims:
         multiple = math.lcm(pad_to, tp)
         vocab = multiple * math.ceil(m.vocab_size / multiple)
         return ModelDims(vocab, m.dim, m.n_layers, m.n_heads, kv, ffn, m.max_seq_len, m.tie_embeddings,
-                         true_vocab_size=m.vocab_size)
+                         rope_theta=m.rope_theta, norm_eps=m.norm_eps, true_vocab_size=m.vocab_size)
 
     @property
     def head_dim(self) -> int:

@@ -22,33 +22,36 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
+    ["hfconfig"],
+    # 1: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
+    # nothing of hpctrain
     ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "parallel/__init__",
      "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
      "checkpoint/index"],
-    # 1: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
+    # 2: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
     # GEMM probe, DCP planners, the checkpoint lock
     ["runs", "tokenfiles", "rendezvous", "mesh", "dims", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
      "checkpoint/lock"],
-    # 2: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
+    # 3: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
     # single-device model; what checkpoints cost
     ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing"],
-    # 3: one module per parallelism; the planner's model-state memory
+    # 4: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
      "planner/peak"],
-    # 4: what the trainer is made of
+    # 5: what the trainer is made of
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
-    # 5
+    # 6
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search"],
-    # 6: the checkpoint directory's lifecycle
+    # 7: the checkpoint directory's lifecycle
     ["checkpoint/manager"],
-    # 7: a run's checkpoint policy
+    # 8: a run's checkpoint policy
     ["checkpoint/checkpointer"],
-    # 8: the jobs (what one rank runs) and the login-node readers
+    # 9: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 9: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export
+    # 10: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export
     ["launch", "checkpoint/hf"],
-    # 10: the `hpctrain` command
+    # 11: the `hpctrain` command
     ["cli"],
 ]
 
