@@ -263,6 +263,17 @@ def make_executor(kind: str, cfg: Config, folder: Path):
     return ex
 
 
+def absolute_paths(cfg: Config) -> Config:
+    """The config with its data files and HF directory named absolutely: ranks may start in another directory."""
+    def absolute(path: str) -> str:
+        return str(Path(path).absolute()) if path else path
+    d, t = cfg.data, cfg.train
+    data_cfg = dataclasses.replace(d, path=absolute(d.path), paths=[absolute(p) for p in d.paths],
+                                   val_path=absolute(d.val_path))
+    init_from = "hf:" + absolute(t.init_from[3:]) if t.init_from.startswith("hf:") else t.init_from
+    return dataclasses.replace(cfg, data=data_cfg, train=dataclasses.replace(t, init_from=init_from))
+
+
 def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=print,
            memory_check: bool = True) -> tuple[Path, Any, str]:
     """Validates, makes a fresh run directory, submits. On failure nothing is left behind. task(config_path,
@@ -275,8 +286,7 @@ def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=pr
     if kind == "local" and cfg.job.nodes > 1:
         echo(f"local executor: {cfg.job.nodes} nodes x {cfg.job.tasks_per_node} tasks run as {cfg.world_size} "
              f"processes on this host")
-    if cfg.data.path:  # ranks may start elsewhere: the run's config names the file absolutely
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).absolute())))
+    cfg = absolute_paths(cfg)
     run_dir = runs.new_run_dir(cfg.job.run_root, cfg.job.name)
     try:
         config_path = run_dir / "config.toml"

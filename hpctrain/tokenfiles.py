@@ -23,6 +23,13 @@ import numpy as np
 from hpctrain.fsutil import write_atomic
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """Where `hpctrain data build --tokenizer` keeps a copy of the tokenizer of token file `path` (and of its
+    validation split "<stem>.val<suffix>"): "<stem>.tokenizer.json" beside it."""
+    p = Path(path)
+    return p.with_name(p.stem.removesuffix(".val") + ".tokenizer.json")
+
+
 class TokenSource:
     """Random access to one long token stream by offset. Every id is in [0, vocab_size); max_id is the largest."""
     name: str  # for messages: the file, or "synthetic data"
