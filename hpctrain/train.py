@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, metrics, mutations, optim, preempt, session
+from hpctrain import data, hfconfig, metrics, mutations, optim, preempt, session
+from hpctrain.checkpoint import hf_import
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.checkpointer import Checkpointer, Progress, Saved
 from hpctrain.config import Config, load_config
@@ -217,6 +218,22 @@ class Trainer:
         return Checkpointer(self.cfg, dataclasses.asdict(self.plan.layout), self.s.run_dir, self.s.rank,
                             self.device, saved)
 
+    def start(self, ckpt: Checkpointer) -> int | None:
+        """The weights training starts from: a checkpoint per train.resume, else train.init_from's Hugging Face
+        directory, else the seeded init (before the peak memory is reset). Returns the step resumed from, None
+        for a fresh start. init_from never overrides a resume: a requeued job goes on from its own checkpoint."""
+        resumed = ckpt.load()
+        hf = hfconfig.hf_dir(self.cfg.train.init_from)
+        if hf is not None and resumed is None:
+            stats = hf_import.load_hf(self.pm.model, self.pm.dims, hf)
+            self.pm.loaded()
+            log.info("weights from Hugging Face directory %s: %d tensors from %d files, %.1f MB read by this rank",
+                     hf, stats["tensors"], stats["files"], stats["bytes"] / 1e6)
+        elif hf is not None:
+            log.info("resumed from step %d: train.init_from = %r is not read", resumed, self.cfg.train.init_from)
+        self.pm.fill()  # nothing loaded: the seeded init
+        return resumed
+
     def mfu_peak(self) -> tuple[metrics.Peak, dict[str, Any]]:
         """The peak MFU is against (metrics.choose_peak) and the GEMM probe's measured rate, reported beside it."""
         t = self.cfg.train
@@ -235,8 +252,7 @@ class Trainer:
         dog = None
         try:
             with self.checkpointer() as ckpt:
-                resumed = ckpt.load()
-                self.pm.fill()  # nothing loaded: the seeded init, before the peak memory is reset
+                resumed = self.start(ckpt)
                 peak, gemm = self.mfu_peak()
                 memory = metrics.reset_peak_memory(self.device)  # initialisation is over: training's peak from here
                 tlog = metrics.TrainLog(self.s.run_dir, self.s.rank, self.cfg.train.steps, self.device,

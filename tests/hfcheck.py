@@ -57,3 +57,31 @@ def logit_diff(out: Path, ckpt: Path, weights: dict[str, torch.Tensor], seq_len:
     assert ours.shape == theirs.shape == (*ids.shape, vocab), (ours.shape, theirs.shape)
     assert ours.abs().max() > 0.1  # not a vacuous comparison of near-zero logits
     return (ours - theirs).abs().max().item()
+
+
+def make_hf_llama(out: Path, vocab: int = 100, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                  ffn: int = 96, tied: bool = False, theta: float = 5000.0, max_shard_size: str | None = None,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random LlamaForCausalLM made and saved by transformers (safetensors; sharded with an index when
+    max_shard_size is given). Every weight, norms included, is drawn N(0, 0.2) so that a swapped or misplaced
+    tensor changes the logits. Returns its state dict (fp32), under HF's names."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=ffn, tie_word_embeddings=tied,
+                         rope_theta=theta, rms_norm_eps=1e-6, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ours_as_hf(weights: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    """hpctrain's full weights (names without "model.") under HF's names, vocabulary padding rows dropped."""
+    from hpctrain.checkpoint.hf_import import VOCAB_ROWS, hf_name
+
+    return {hf_name(k): (v[:vocab] if k in VOCAB_ROWS else v) for k, v in weights.items()}

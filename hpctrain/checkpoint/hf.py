@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpctrain.checkpoint.hf_import import INDEX_NAME, SINGLE, VOCAB_ROWS, hf_name
 from hpctrain.checkpoint.inspection import (
     MODEL_PREFIX,
     ModelTensors,
@@ -54,30 +55,7 @@ from hpctrain.dims import ModelDims
 from hpctrain.fsutil import fsync_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# names as in hpctrain.model.Transformer -> LlamaForCausalLM's; BLOCK_NAMES are under layers.{i}.
-TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-BLOCK_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
-VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")  # padded vocabulary rows, trimmed on export
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-SINGLE = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-
-
-def hf_name(name: str) -> str:
-    """'layers.3.attention.wq.weight' -> 'model.layers.3.self_attn.q_proj.weight' (names without "model.")."""
-    if name in TOP_NAMES:
-        return TOP_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}"
-    raise ValueError(f"{name}: no Hugging Face Llama name for this tensor")
 
 
 def run_dims(marker: dict[str, Any], where: Path) -> ModelDims:

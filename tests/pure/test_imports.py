@@ -42,7 +42,8 @@ LEVELS: list[list[str]] = [
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
     # 6
-    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search"],
+    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search",
+     "checkpoint/hf_import"],
     # 7: the checkpoint directory's lifecycle
     ["checkpoint/manager"],
     # 8: a run's checkpoint policy
