@@ -35,7 +35,8 @@ def hf_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hfin")
     single = make_hf_llama(root / "single")
     sharded = make_hf_llama(root / "sharded", seed=1, max_shard_size="40KB")
-    assert (root / "sharded" / hf_import.INDEX_NAME).is_file() and len(list((root / "sharded").glob("*.safetensors"))) > 2
+    assert (root / "sharded" / hf_import.INDEX_NAME).is_file()
+    assert len(list((root / "sharded").glob("*.safetensors"))) > 2
     return {"root": root, "single": (root / "single", single), "sharded": (root / "sharded", sharded)}
 
 
