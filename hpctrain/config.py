@@ -331,6 +331,10 @@ class Config:
     def __post_init__(self) -> None:
         _check(self.parallel.backend != "nccl" or self.job.gpus_per_node > 0,
                f"parallel.backend = 'nccl' needs GPUs but job.gpus_per_node = {self.job.gpus_per_node}")
+        t = self.train
+        _check(not (self.parallel.pp > 1 and t.eval_every and t.eval_batches % t.grad_accum),
+               f"train.eval_batches = {t.eval_batches} must be a multiple of train.grad_accum = {t.grad_accum} with "
+               f"parallel.pp = {self.parallel.pp}: a pipelined evaluation runs the schedule's micro-batches")
         _check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len = {self.data.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}")
 

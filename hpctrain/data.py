@@ -321,6 +321,33 @@ class TokenLoader:
         """Nothing to end (PrefetchLoader has a thread to stop)."""
 
 
+class EvalLoader:
+    """The same `num_batches` global micro-batches of a source at every evaluation: samples 0, 1, 2, ... in order
+    (no shuffle, no epochs), dp rank r taking rows [r * B:(r + 1) * B] of each, as TokenLoader shards. A source
+    too short for num_batches gives as many whole global micro-batches as it holds (`num_batches` says how many),
+    and none at all is an error naming it."""
+
+    def __init__(self, source: TokenSource, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 num_batches: int) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
+        self.source, self.seq_len, self.micro_batch_size, self.dp_rank = source, seq_len, micro_batch_size, dp_rank
+        self.global_batch = micro_batch_size * dp_size
+        fit = (len(source) - 1) // seq_len // self.global_batch
+        if fit < 1:
+            raise ValueError(f"validation data {source.name!r} holds {len(source)} tokens, fewer than one global "
+                             f"micro-batch of {self.global_batch} samples of seq_len + 1 = {seq_len + 1}")
+        self.num_batches = min(num_batches, fit)
+
+    def batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        for k in range(self.num_batches):
+            first = k * self.global_batch + self.dp_rank * self.micro_batch_size
+            rows = np.stack([self.source.read(i * self.seq_len, self.seq_len + 1)
+                             for i in range(first, first + self.micro_batch_size)])
+            tokens = torch.from_numpy(rows)
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 class PrefetchLoader:
     """A TokenLoader read ahead by one background thread: up to `depth` batches wait in a bounded queue, in the
     synchronous loader's order, in pinned host memory with `pin_memory` (CUDA jobs: their copies to the device can

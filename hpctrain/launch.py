@@ -216,6 +216,8 @@ def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
         from hpctrain import data
         try:
             data.open_source(cfg.data, plan.dims.true_vocab_size)
+            if cfg.train.eval_every:
+                data.open_val_source(cfg.data, plan.dims.true_vocab_size)
         except ValueError as e:
             if strict_data:
                 raise

@@ -152,6 +152,7 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.t0 = time.time()
+        self.val_loss: float | None = None  # the latest validation loss, shown on the progress lines after it
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -175,7 +176,8 @@ class MetricsLog:
         bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
         eta = (time.time() - self.t0) / max(done, 1e-9) * (1 - done)
         gemm = f" (gemm {row['mfu_gemm']:.1%})" if row.get("mfu_gemm") is not None else ""
-        return (f"[{bar}] step {row['step']}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+        val = f" val {self.val_loss:.4f}" if self.val_loss is not None else ""
+        return (f"[{bar}] step {row['step']}/{self.total} loss {row['loss']:.4f}{val} lr {row['lr']:.2e} "
                 f"gnorm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s mfu {row['mfu']:.1%}{gemm} "
                 f"eta {eta:.0f}s")
 
@@ -240,6 +242,16 @@ class TrainLog:
             log.info("%s", self.log_file.progress(row))
         self.tick, self.tokens_at_tick = time.time(), tokens_seen
         self.last = row
+
+    def eval(self, row: dict[str, Any]) -> None:
+        """An evaluation's row ({"step", "val_loss", "val_tokens", "eval_s"}): its own line in metrics.jsonl and
+        on rank 0's log; its time is left out of the throughput of the steps around it."""
+        self.log_file.val_loss = row["val_loss"]
+        self.log_file.log(row)
+        if self.rank0:
+            log.info("eval step %d: val loss %.4f (%d tokens, %.2f s)", row["step"], row["val_loss"],
+                     row["val_tokens"], row["eval_s"])
+        self.tick += row["eval_s"]
 
     def _read_losses(self) -> None:
         tensors = [v for v in self.pending if isinstance(v, torch.Tensor)]

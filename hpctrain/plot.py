@@ -1,4 +1,5 @@
-"""`hpctrain plot RUN_DIR`: loss, learning rate and throughput curves from a run's metrics.jsonl, to PNG."""
+"""`hpctrain plot RUN_DIR`: loss (and validation loss), learning rate and throughput curves from a run's
+metrics.jsonl, to PNG."""
 from __future__ import annotations
 
 import json
@@ -20,10 +21,17 @@ def plot_training(run_dir: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
+    every = read_metrics(run_dir)
+    rows = [r for r in every if "loss" in r]  # training steps; evaluations are rows of their own
+    evals = [r for r in every if "val_loss" in r]
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no training step yet")
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    axes[0].plot(steps, [r["loss"] for r in rows], marker=".")
+    axes[0].plot(steps, [r["loss"] for r in rows], marker=".", label="train")
+    if evals:
+        axes[0].plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+        axes[0].legend()
     axes[0].set(title="loss", xlabel="step")
     axes[1].plot(steps, [r["lr"] for r in rows])
     axes[1].set(title="learning rate", xlabel="step")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, hfconfig, metrics, mutations, optim, preempt, session
+from hpctrain import data, evaluate, hfconfig, metrics, mutations, optim, preempt, session
 from hpctrain.checkpoint import hf_import
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.checkpointer import Checkpointer, Progress, Saved
@@ -79,6 +79,9 @@ class Trainer:
                                   cfg.train.seed)
         self.loader = (data.PrefetchLoader(loader, cfg.train.prefetch, pin_memory=self.device.type == "cuda")
                        if cfg.train.prefetch else loader)
+        self.evaluator = (evaluate.Evaluator(cfg, self.pm.dims.true_vocab_size, s.mesh.dp_rank, layout.dp,
+                                             self.micro_batch, s.mesh.group("dp"), self.device)
+                          if cfg.train.eval_every else None)
         self.progress = Progress()
         self.sync_steps = True  # train_step reads its metrics to the host every step; fit() only on log steps
         self.dp_group = s.mesh.group("dp")
@@ -207,6 +210,26 @@ class Trainer:
             self.optimizer.step()
         return skipped
 
+    def _eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The sum of the mean losses of `batches` (forward only), as training computes its loss."""
+        if self.pipe is not None:
+            return self.pipe.eval_loss(batches, self._context(True, autocast=True), self.scaler.scale)
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            with self._context(True, autocast=True):
+                loss = F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+            total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+        return total
+
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss at the current step (every rank; collective): {"step", "val_loss", "val_tokens",
+        "eval_s"}. Needs train.eval_every (the validation split is opened when the trainer is built)."""
+        if self.evaluator is None:
+            raise ValueError("train.eval_every = 0: no validation split was opened")
+        self.pm.fill()
+        return self.evaluator.run(self.step, self._eval_loss, self.cfg.train.grad_accum if self.pipe else 1)
+
     # -- the loop -------------------------------------------------------------------------------------------
     def checkpointer(self) -> Checkpointer:
         """This run's checkpointer over everything a checkpoint holds (collective: takes the directory lock)."""
@@ -268,6 +291,10 @@ class Trainer:
                     if on_step is not None:
                         on_step(row)
                     preempted = self.s.preempt.poll(self.device)
+                    ev = self.evaluator
+                    if ev is not None and not preempted and ev.due(self.step, self.cfg.train.steps):
+                        dog.beat()
+                        tlog.eval(self.evaluate())
                     dog.beat()
                     ckpt.maybe_save(self.step, force=preempted)
                     dog.beat()
@@ -287,6 +314,9 @@ class Trainer:
                "peak_tflops": peak.tflops, "peak_source": peak.source, "gemm": gemm, "tf32": self.tf32,
                "memory": memory, "tokens_seen": self.tokens_seen, "resumed_from": resumed, "preempted": preempted,
                "losses": losses}
+        if self.evaluator is not None:
+            out["val_losses"] = self.evaluator.done
+            out["val_loss"] = self.evaluator.done[-1][1] if self.evaluator.done else None
         if self.pipe is not None:
             out["pipeline"] = self.pipe.summary(self.cfg.train.grad_accum)
             if self.s.rank == 0:

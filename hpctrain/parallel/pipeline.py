@@ -280,6 +280,25 @@ class Pipeline:
         dist.all_reduce(loss, group=self.group)  # only the last stage's ranks add a non-zero loss
         return loss
 
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]], context, loss_scale: float) -> torch.Tensor:
+        """Forward only (the schedule's eval) over as many (x, y) micro-batches as a step takes, under `context`
+        (loss parallel, autocast): the sum of their mean unscaled losses, on every pp rank. Never timed."""
+        import torch.distributed as dist
+        x, y = (torch.cat([b.to(self.device) for b in parts]) for parts in zip(*batches))
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        for st in self.stages:
+            st.timing = False
+        with context:
+            self.schedule.eval(*args, **kwargs)
+        total = torch.zeros((), device=self.device)
+        if self.last:
+            total = sum((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float() for t in losses)
+            total = total / loss_scale
+        dist.all_reduce(total, group=self.group)  # only the last stage's ranks add a non-zero loss
+        return total
+
     def summary(self, microbatches: int) -> dict[str, Any]:
         """Per pp rank: mean step time (schedule only, the timed steps since the last timing() call), compute time,
         and the idle share 1 - compute / step next to the schedule's theory, with a one-line digest ("line").

@@ -43,7 +43,7 @@ LEVELS: list[list[str]] = [
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
     # 6
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search",
-     "checkpoint/hf_import"],
+     "checkpoint/hf_import", "evaluate"],
     # 7: the checkpoint directory's lifecycle
     ["checkpoint/manager"],
     # 8: a run's checkpoint policy

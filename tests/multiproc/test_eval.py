@@ -1,0 +1,59 @@
+"""Validation loss is the same number in every layout, 4 gloo ranks against one process: dp=4, tp=2 x dp=2
+ZeRO-3, pp=2 x dp=2 (1F1B, the schedule's forward-only eval) and pp=2 x tp=2 (loss parallel) evaluate the same
+validation samples after each of 3 steps and agree with the one-process run within fp32 reduction order. Each
+layout's global micro-batch is 8 samples, or 4 under pp (eval_batches doubled there), so every evaluation covers
+the same 16 samples. Reporting and the rest: tests/pure/test_eval.py.
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_eval.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from helpers import TINY, WORKERS, free_base_port, spawn_ranks
+from hpctrain import session
+from hpctrain.config import load_config
+from hpctrain.train import Trainer
+
+EVAL = ["train.steps=3", "train.eval_every=1", "checkpoint.at_end=false"]
+LAYOUTS = {
+    "dp4": ["train.micro_batch_size=2", "train.eval_batches=2"],
+    "tp2dp2_zero3": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4", "train.eval_batches=2"],
+    "pp2dp2": ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
+    "pp2tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=4", "train.grad_accum=2",
+               "train.eval_batches=4"],
+}
+TOL = 2e-5  # fp32: the layouts reduce in other orders
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("eval")
+    cases = [{"name": name, "overrides": EVAL + sets} for name, sets in LAYOUTS.items()]
+    cmd = [sys.executable, str(WORKERS / "eval_worker.py"), str(out), json.dumps(cases),
+           str(free_base_port(len(cases)))]
+    procs = spawn_ranks(4, cmd, ranks_per_node=4, run_id="eval")
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    errors = {}
+    for f in out.glob("errors-rank*.json"):
+        errors.update(json.loads(f.read_text()))
+    assert not errors and all(p.returncode == 0 for p in procs), f"{errors}\n" + "\n".join(x[-3000:] for x in logs)
+    cfg = load_config(None, TINY + EVAL + ["train.eval_batches=2", f"job.run_root={out}/ref-runs",
+                                           f"checkpoint.dir={out}/ref-ck"])
+    with session.start(cfg) as s:
+        ref = Trainer(cfg, s).fit()
+    return {"ref": ref} | {name: torch.load(out / f"{name}.pt") for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_validation_loss_equal_across_layouts(runs, layout) -> None:
+    ref, got = runs["ref"], runs[layout]
+    assert [s for s, _ in ref["val_losses"]] == [s for s, _ in got["val_losses"]] == [1, 2, 3]
+    for (step, want), (_, have) in zip(ref["val_losses"], got["val_losses"]):
+        assert abs(have - want) < TOL, (layout, step, have, want)
+    assert max(abs(a - b) for a, b in zip(ref["losses"], got["losses"])) < TOL  # trained alike, too
+    assert len({round(v, 4) for _, v in ref["val_losses"]}) == 3  # training moves the validation loss
