@@ -4,7 +4,7 @@
     hpctrain train CONFIG [--set ...] [--run-dir DIR]      # what each rank runs
     hpctrain topo CONFIG [--set ...]                       # the rank map the job will use
     hpctrain bench COLL... [nccl-tests flags]              # collective benchmark; `bench gemm` for matmul
-    hpctrain data build OUT [INPUTS...]                    # byte-level token datasets
+    hpctrain data build OUT [INPUTS...] [--tokenizer F]    # token datasets (byte level, or a tokenizer's)
     hpctrain plot RUN_DIR                                  # training curves
     hpctrain ckpt ls|inspect|verify|export ...             # checkpoints (export --format hf: transformers)
 
@@ -22,22 +22,9 @@ from typing import Any, Callable
 
 import click
 
+from hpctrain.cli_data import data_group
+from hpctrain.cliutil import CONFIG_ARG, SET_OPT, user_errors
 from hpctrain.config import Config, load_config
-
-CONFIG_ARG = click.argument("config", type=click.Path(dir_okay=False))
-SET_OPT = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-                       help="Override one config value (repeatable), e.g. --set parallel.tp=2")
-
-
-def user_errors(fn):
-    """ValueError from config or layout checks becomes a usage error (exit 2) with its message."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
-    return wrapper
 
 
 def ends_launch_on_error(fn):
@@ -377,24 +364,6 @@ def ckpt_export(ckpt: str, fmt: str, out: str | None, dtype: str | None, max_sha
                f"{inspection.human_bytes(done['bytes'])} from {path}")
 
 
-@main.group(name="data")
-def data_group() -> None:
-    """Token datasets."""
-
-
-@data_group.command(name="build")
-@click.argument("out", type=click.Path(dir_okay=False))
-@click.argument("inputs", nargs=-1, type=click.Path(exists=True))
-@user_errors
-def data_build(out: str, inputs: tuple[str, ...]) -> None:
-    """Tokenize text files (byte-level) into OUT (.bin, .npy, .h5). Directories are walked; with no INPUTS the
-    bundled corpus is built from the project's own source and docs."""
-    from hpctrain import data
-
-    stats = data.build_dataset([Path(i) for i in inputs] or data.project_corpus_inputs(), Path(out))
-    click.echo(f"{out}: {stats['tokens']} tokens from {stats['files']} files ({stats['skipped']} skipped)")
-
-
 @main.command()
 @CONFIG_ARG
 @SET_OPT
@@ -410,3 +379,6 @@ def topo(config: str, overrides: tuple[str, ...]) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+main.add_command(data_group)

@@ -1,7 +1,5 @@
-"""Tokens for training: a byte tokenizer, dataset files, the source [data] names and a resumable loader.
-
-    python -m hpctrain.data data/corpus.bin              # the bundled corpus: this project's own text files
-    python -m hpctrain.data data/notes.h5 notes/ a.txt   # any text files or directories
+"""Tokens for training: the sources [data] names (one file, a blend, synthetic), the resumable loader and the
+validation loader.
 
     source = open_source(cfg.data, cfg.model.vocab_size)  # synthetic data: seed= picks another stream
     loader = TokenLoader(source, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank, dp_size, cfg.train.seed)
@@ -10,146 +8,25 @@
 
 The loader's position is global (samples consumed by all dp ranks together), so a checkpoint taken with one dp
 size resumes exactly with another. This module knows nothing of torch.distributed: ranks come in as ints.
-Reading token files (ArraySource, HDF5Source, their checks and id-scan cache) lives in hpctrain.tokenfiles.
+Reading token files (ArraySource, HDF5Source, their checks and id-scan cache) lives in hpctrain.tokenfiles;
+writing them in hpctrain.databuild (byte level) and hpctrain.tokenized (a tokenizer's).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import queue
-import sys
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
-import h5py
 import numpy as np
 import torch
 
+from hpctrain.blend import BlendedSamples, BlendLoader
 from hpctrain.config import DataConfig
-from hpctrain.fsutil import replacing, write_atomic
-from hpctrain.tokenfiles import ArraySource, HDF5Source, TokenSource
-
-# --- tokenizer --------------------------------------------------------------------------------------------
-
-VOCAB_SIZE = 256
-EOS = 0  # NUL: never part of text (files holding it are taken for binary and skipped)
-
-
-def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def decode(ids: Iterable[int]) -> str:
-    # A window of a token stream can cut a multi-byte character: show U+FFFD rather than fail.
-    return bytes(list(map(int, ids))).decode("utf-8", errors="replace")
-
-
-# --- building dataset files -------------------------------------------------------------------------------
-
-TEXT_SUFFIXES = (".py", ".md", ".toml", ".txt", ".sh", ".cfg")
-OUT_SUFFIXES = (".bin", ".npy", ".h5", ".hdf5")
-_SKIP_DIRS = ("__pycache__",)  # plus every hidden directory (.git, .venv)
-
-
-def project_corpus_inputs() -> list[Path]:
-    """The bundled training corpus: the hpctrain package and, beside it, README.md, Makefile and slurm/."""
-    package = Path(__file__).resolve().parent
-    beside = [package.parent / name for name in ("README.md", "Makefile", "slurm")]
-    return [package] + [p for p in beside if p.exists()]
-
-
-def _walk(directory: Path) -> list[Path]:
-    found = []
-    for path in directory.rglob("*"):
-        parts = path.relative_to(directory).parts
-        if any(p.startswith(".") or p in _SKIP_DIRS for p in parts[:-1]):
-            continue
-        if path.suffix in TEXT_SUFFIXES and path.is_file():
-            found.append(path)
-    return sorted(found)  # rglob order depends on the file system
-
-
-def _input_files(inputs: list[Path]) -> list[Path]:
-    files: list[Path] = []
-    for item in map(Path, inputs):
-        if item.is_dir():
-            files.extend(_walk(item))
-        elif item.is_file():
-            files.append(item)  # named explicitly: taken whatever its suffix (Makefile)
-        else:
-            raise ValueError(f"dataset input {str(item)!r} does not exist")
-    unique = list(dict.fromkeys(f.resolve() for f in files))  # a file named twice counts once
-    if not unique:
-        raise ValueError(f"no text files ({', '.join(TEXT_SUFFIXES)}) found in {[str(p) for p in inputs]}")
-    return unique
-
-
-def _read_text(path: Path) -> bytes | None:
-    """The file's UTF-8 bytes, or None when it is unreadable or not text."""
-    try:
-        raw = path.read_bytes()
-        raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    return None if b"\x00" in raw else raw
-
-
-def write_tokens(tokens: np.ndarray, out: Path) -> None:
-    """Writes `tokens` (byte-tokenizer ids, stored as little-endian uint16; the record says vocab_size VOCAB_SIZE,
-    tokenizer "bytes") to `out` in the format its suffix picks, as build_dataset describes: .bin or .npy with a
-    `<out>.json` sidecar, anything else HDF5 (dataset "tokens", the record in its attrs). Writes to a temporary
-    name first so a reader never sees half a file."""
-    meta = {"dtype": "uint16", "byteorder": "little", "num_tokens": int(tokens.size),
-            "vocab_size": VOCAB_SIZE, "tokenizer": "bytes"}
-    if out.suffix in (".bin", ".npy"):  # HDF5 keeps the same record in attributes
-        write_atomic(Path(str(out) + ".json"), json.dumps(meta, indent=1) + "\n")
-    with replacing(out) as tmp:
-        if out.suffix == ".bin":
-            tmp.write_bytes(tokens.astype("<u2").tobytes())
-        elif out.suffix == ".npy":
-            with open(tmp, "wb") as f:  # np.save on a path would append ".npy" to the temporary name
-                np.save(f, tokens.astype("<u2"))
-        else:
-            with h5py.File(tmp, "w") as f:
-                dset = f.create_dataset("tokens", data=tokens.astype("<u2"), chunks=(min(tokens.size, 1 << 16),))
-                for key in ("vocab_size", "tokenizer", "num_tokens"):
-                    dset.attrs[key] = meta[key]
-
-
-def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
-    """Tokenizes text files (directories are walked) into one token file, documents joined by EOS.
-
-    The suffix of `out` picks the format: .bin (raw little-endian uint16) or .npy, each with a `<out>.json`
-    sidecar (dtype, num_tokens, vocab_size, tokenizer), or .h5/.hdf5 (dataset "tokens", the same in attrs).
-    Files that are unreadable or not UTF-8 text are skipped and counted; empty files are left out.
-    Returns {"files", "skipped", "tokens", "bytes" (size of the token file written), "path"}.
-    """
-    out = Path(out)
-    if out.suffix not in OUT_SUFFIXES:
-        raise ValueError(f"dataset output {str(out)!r}: suffix {out.suffix!r} is not one of {', '.join(OUT_SUFFIXES)}")
-    docs, skipped = [], 0
-    for path in _input_files(inputs):
-        text = _read_text(path)
-        if text is None:
-            skipped += 1
-        elif text:
-            docs.append(np.frombuffer(text, dtype=np.uint8))
-    if not docs:
-        raise ValueError(f"no readable text in {[str(p) for p in inputs]} ({skipped} files skipped)")
-    pieces = []
-    for i, doc in enumerate(docs):
-        if i:
-            pieces.append(np.array([EOS], dtype=np.uint8))
-        pieces.append(doc)
-    tokens = np.concatenate(pieces).astype(np.uint16)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_tokens(tokens, out)
-    return {"files": len(docs), "skipped": skipped, "tokens": int(tokens.size),
-            "bytes": out.stat().st_size, "path": str(out)}
-
+from hpctrain.databuild import EOS, VOCAB_SIZE, decode, encode  # noqa: F401  (the byte tokenizer, kept here)
+from hpctrain.tokenfiles import ArraySource, HDF5Source, TokenSource, check_records, val_file
 
 # --- token sources (files: hpctrain.tokenfiles) ----------------------------------------------------------
 
@@ -195,60 +72,80 @@ class SyntheticSource(TokenSource):
         return joined[start - first * self.CHUNK:stop - first * self.CHUNK]
 
 
-def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
-    """The token source [data] describes, checked against the model: ids fit its vocab, one sequence fits.
+def _open_file(cfg: DataConfig, path_text: str, key: str) -> TokenSource:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"{key} = {path_text!r} does not exist")
+    is_hdf5 = path.suffix in (".h5", ".hdf5")
+    if is_hdf5 != (cfg.source == "hdf5"):
+        raise ValueError(f"{key} = {path_text!r} does not fit data.source = {cfg.source!r} "
+                         f"(hdf5 reads .h5/.hdf5, bin reads .bin/.npy)")
+    try:
+        return HDF5Source(path) if is_hdf5 else ArraySource(path)
+    except OSError as e:
+        raise ValueError(f"{key} = {path_text!r} cannot be read as {cfg.source}: {e}") from None
 
-    `seed` only matters for synthetic data (the trainer passes train.seed); files carry their own tokens.
-    """
-    name = "synthetic data" if cfg.source == "synthetic" else f"data.path = {cfg.path!r}"
-    if cfg.source == "synthetic":
-        source: TokenSource = SyntheticSource(vocab_size, seed)
-    else:
-        path = Path(cfg.path)
-        if not path.is_file():
-            raise ValueError(f"data.path = {cfg.path!r} does not exist")
-        is_hdf5 = path.suffix in (".h5", ".hdf5")
-        if is_hdf5 != (cfg.source == "hdf5"):
-            raise ValueError(f"data.path = {cfg.path!r} does not fit data.source = {cfg.source!r} "
-                             f"(hdf5 reads .h5/.hdf5, bin reads .bin/.npy)")
-        try:
-            source = HDF5Source(path) if is_hdf5 else ArraySource(path)
-        except OSError as e:
-            raise ValueError(f"data.path = {cfg.path!r} cannot be read as {cfg.source}: {e}") from None
+
+def _check_source(source: TokenSource, name: str, vocab_size: int, seq_len: int) -> TokenSource:
     if source.max_id >= vocab_size:
         raise ValueError(f"{name} holds token ids up to {source.max_id} but model.vocab_size = {vocab_size}: "
                          f"every id must be < vocab_size")
     if source.vocab_size > vocab_size:
         raise ValueError(f"{name} records vocab_size {source.vocab_size} (ids up to {source.max_id}) but "
                          f"model.vocab_size = {vocab_size}: the model must embed every id of its tokenizer")
-    if len(source) < cfg.seq_len + 1:
+    if len(source) < seq_len + 1:
         raise ValueError(f"{name} holds {len(source)} tokens, fewer than one sequence of "
-                         f"data.seq_len + 1 = {cfg.seq_len + 1}")
+                         f"data.seq_len + 1 = {seq_len + 1}")
     return source
+
+
+def open_sources(cfg: DataConfig, vocab_size: int, seed: int = 0, hf_tokenizer_sha256: str | None = None,
+                 files: list[str] | None = None) -> list[TokenSource]:
+    """Every token source [data] describes (data.paths, or data.path, or the synthetic stream), each checked
+    against the model (ids fit its vocab, one sequence fits) and all against one another (one tokenizer, and the
+    HF directory's when given: tokenfiles.check_records). `files` replaces the configured ones (validation)."""
+    if cfg.source == "synthetic":
+        return [_check_source(SyntheticSource(vocab_size, seed), "synthetic data", vocab_size, cfg.seq_len)]
+    keys = ([f"data.paths[{i}]" for i in range(len(cfg.paths))] if cfg.paths else ["data.path"]) \
+        if files is None else [f"validation file {i}" for i in range(len(files))]
+    sources = []
+    for key, path in zip(keys, cfg.files if files is None else files):
+        sources.append(_check_source(_open_file(cfg, path, key), f"{key} = {path!r}", vocab_size, cfg.seq_len))
+    check_records(sources, vocab_size, hf_tokenizer_sha256)
+    return sources
+
+
+def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
+    """The one token source of data.path (or the synthetic stream); open_sources for a blend."""
+    if cfg.paths:
+        raise ValueError(f"data.paths = {cfg.paths} is a blend: open it with open_sources")
+    return open_sources(cfg, vocab_size, seed)[0]
+
+
+def make_loader(cfg: DataConfig, sources: list[TokenSource], micro_batch_size: int, dp_rank: int, dp_size: int,
+                seed: int) -> "TokenLoader | BlendLoader":
+    """The training loader over open_sources' result: a TokenLoader for one source, a BlendLoader for data.paths."""
+    if cfg.paths:
+        return BlendLoader(sources, cfg.shares, cfg.seq_len, micro_batch_size, dp_rank, dp_size, seed)
+    return TokenLoader(sources[0], cfg.seq_len, micro_batch_size, dp_rank, dp_size, seed)
 
 
 VAL_SEED_OFFSET = 1_000_003  # synthetic validation data: a stream no training seed of a run draws
 
 
-def val_file(path: str) -> str:
-    """Where `hpctrain data build --val-fraction` puts the validation split of `path`: "<stem>.val<suffix>"."""
-    p = Path(path)
-    return str(p.with_name(p.stem + ".val" + p.suffix))
-
-
 def open_val_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
     """The validation split train.eval_every evaluates: data.val_path when set, else the "<stem>.val<suffix>"
-    file beside data.path; for synthetic data the same generator on another seed. Checked as open_source checks."""
+    file beside data.path, or beside each of data.paths, blended in order with data.weights (BlendedSamples);
+    for synthetic data the same generator on another seed. Checked as open_sources checks."""
     if cfg.source == "synthetic":
         return open_source(cfg, vocab_size, seed + VAL_SEED_OFFSET)
-    if cfg.paths and not cfg.val_path:
-        raise ValueError(f"data.paths = {cfg.paths}: set data.val_path for train.eval_every (blended validation "
-                         f"splits are not read yet)")
-    path = cfg.val_path or val_file(cfg.path)
-    if not Path(path).is_file():
-        raise ValueError(f"validation split {path!r} does not exist: set data.val_path, or build the data with "
-                         f"`hpctrain data build --val-fraction`, or set train.eval_every = 0")
-    return open_source(dataclasses.replace(cfg, path=path, paths=[], weights=[]), vocab_size, seed)
+    files = [cfg.val_path] if cfg.val_path else [val_file(p) for p in cfg.files]
+    for path in files:
+        if not Path(path).is_file():
+            raise ValueError(f"validation split {path!r} does not exist: set data.val_path, or build the data with "
+                             f"`hpctrain data build --val-fraction`, or set train.eval_every = 0")
+    sources = open_sources(cfg, vocab_size, seed, files=files)
+    return sources[0] if len(sources) == 1 else BlendedSamples(sources, cfg.shares, cfg.seq_len)
 
 
 # --- loader -----------------------------------------------------------------------------------------------
@@ -432,16 +329,3 @@ def _stop_prefetch(worker: threading.Thread, out: queue.Queue, stop: threading.E
         except queue.Empty:
             pass
         worker.join(timeout=0.01)
-
-
-def main(argv: list[str]) -> int:
-    if not argv or argv[0].startswith("-"):
-        print("usage: python -m hpctrain.data OUT.{bin,npy,h5} [INPUT ...]  (no inputs: the bundled corpus)")
-        return 2
-    inputs = [Path(a) for a in argv[1:]] or project_corpus_inputs()
-    print(json.dumps(build_dataset(inputs, Path(argv[0]))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

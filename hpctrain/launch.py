@@ -205,6 +205,17 @@ def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) ->
     return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
 
 
+def hf_tokenizer_sha256(cfg: Config) -> str | None:
+    """sha256 of the tokenizer.json of the HF directory train.init_from names, None without one."""
+    from hpctrain import hfconfig
+    directory = hfconfig.hf_dir(cfg.train.init_from)
+    path = directory / "tokenizer.json" if directory is not None else None
+    if path is None or not path.is_file() or path.is_symlink():
+        return None
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
     """The job's plan (layout and topology for nodes x tasks_per_node under block placement; the model and batch
     when it trains) and its data, refused here on the login node. strict_data=False (dry runs) only warns about
@@ -215,7 +226,7 @@ def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
             echo(note)
         from hpctrain import data
         try:
-            data.open_source(cfg.data, plan.dims.true_vocab_size)
+            data.open_sources(cfg.data, plan.dims.true_vocab_size, hf_tokenizer_sha256=hf_tokenizer_sha256(cfg))
             if cfg.train.eval_every:
                 data.open_val_source(cfg.data, plan.dims.true_vocab_size)
         except ValueError as e:

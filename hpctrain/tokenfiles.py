@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,12 @@ import h5py
 import numpy as np
 
 from hpctrain.fsutil import write_atomic
+
+
+def val_file(path: str) -> str:
+    """Where `hpctrain data build --val-fraction` puts the validation split of `path`: "<stem>.val<suffix>"."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".val" + p.suffix))
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -33,6 +40,7 @@ def tokenizer_file(path: str | Path) -> Path:
 class TokenSource:
     """Random access to one long token stream by offset. Every id is in [0, vocab_size); max_id is the largest."""
     name: str  # for messages: the file, or "synthetic data"
+    record: dict[str, Any] = {}  # what the file records about its tokenizer (_record); {} without one
     num_tokens: int
     vocab_size: int
     max_id: int
@@ -113,6 +121,45 @@ def _sidecar(sidecar: Path) -> tuple[dict[str, Any], np.dtype]:
     return meta, dtype.newbyteorder("<" if order == "little" else ">")
 
 
+def _record(meta: dict[str, Any], name: str) -> dict[str, Any]:
+    """What a token file records about its tokenizer (hpctrain.tokenized writes it), checked: tokenizer,
+    tokenizer_sha256 (64 hex digits), vocab_size, eos_id (< vocab_size), num_docs, split. Absent keys stay out."""
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        value = value.item() if isinstance(value, np.generic) else value
+        value = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        if key in ("vocab_size", "eos_id", "num_docs", "num_tokens"):
+            out[key] = _count(value, f"{name!r}: {key}", 1 if key == "vocab_size" else 0)
+        elif key in ("tokenizer", "tokenizer_sha256", "split"):
+            if not isinstance(value, str):
+                raise ValueError(f"{name!r}: {key} = {value!r:.80} must be text")
+            out[key] = value
+    sha = out.get("tokenizer_sha256")
+    if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise ValueError(f"{name!r}: tokenizer_sha256 = {sha!r:.80} is not a sha256 (64 hex digits)")
+    if out.get("eos_id") is not None and out.get("vocab_size") is not None and out["eos_id"] >= out["vocab_size"]:
+        raise ValueError(f"{name!r}: eos_id = {out['eos_id']} is not below its vocab_size = {out['vocab_size']}")
+    return out
+
+
+def check_records(sources: list[TokenSource], vocab_size: int, hf_tokenizer_sha256: str | None = None) -> None:
+    """Refuses token files made by different tokenizers (a blend, or a training file and its validation split),
+    an EOS id the model cannot embed, and a tokenizer other than the one of the HF directory a run starts from.
+    Files without a record (byte-level or foreign) are only checked by their ids."""
+    made = {s.name: s.record["tokenizer_sha256"] for s in sources if getattr(s, "record", {}).get("tokenizer_sha256")}
+    if len(set(made.values())) > 1:
+        raise ValueError("token files made with different tokenizers: " +
+                         ", ".join(f"{n} ({sha[:12]})" for n, sha in made.items()))
+    for s in sources:
+        eos = getattr(s, "record", {}).get("eos_id")
+        if eos is not None and eos >= vocab_size:
+            raise ValueError(f"{s.name!r} records eos_id = {eos}, not below model.vocab_size = {vocab_size}")
+    if hf_tokenizer_sha256 and made and hf_tokenizer_sha256 not in made.values():
+        name, sha = next(iter(made.items()))
+        raise ValueError(f"{name!r} was made with tokenizer {sha[:12]}..., but train.init_from's tokenizer.json is "
+                         f"{hf_tokenizer_sha256[:12]}...: the model would read other ids than it was trained on")
+
+
 class _PerProcess:
     """A token file, opened on first use in each process: handles must not cross fork, and pickling drops them."""
     name: str
@@ -172,6 +219,7 @@ class ArraySource(_PerProcess, TokenSource):
             raise ValueError(f"{self.name!r} holds {self.num_tokens} tokens but its sidecar records "
                              f"{recorded}: the file is truncated or the sidecar is stale")
         self._check_ids(array, _count(meta.get("vocab_size"), f"sidecar {str(sidecar)!r}: vocab_size", 1))
+        self.record = _record(meta, self.name)
 
     def _open(self) -> np.ndarray:
         if self.dtype is None:
@@ -198,6 +246,7 @@ class HDF5Source(_PerProcess, TokenSource):
             self.num_tokens = int(dset.shape[0])
             recorded = _count(dset.attrs.get("vocab_size"), f"{self.name!r}: attribute vocab_size", 1)
             self._check_ids(dset, recorded)
+            self.record = _record(dict(dset.attrs), self.name)
 
     def _open(self) -> h5py.File:
         return h5py.File(self.path, "r")  # kept open: one handle per process for its whole life

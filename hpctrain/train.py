@@ -74,9 +74,8 @@ class Trainer:
         self.optimizer = optim.build_optimizer(self.pm.model, cfg.train, self.lr, zero_group)
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
-        source = data.open_source(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
-        loader = data.TokenLoader(source, cfg.data.seq_len, self.micro_batch, s.mesh.dp_rank, layout.dp,
-                                  cfg.train.seed)
+        sources = data.open_sources(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
+        loader = data.make_loader(cfg.data, sources, self.micro_batch, s.mesh.dp_rank, layout.dp, cfg.train.seed)
         self.loader = (data.PrefetchLoader(loader, cfg.train.prefetch, pin_memory=self.device.type == "cuda")
                        if cfg.train.prefetch else loader)
         self.evaluator = (evaluate.Evaluator(cfg, self.pm.dims.true_vocab_size, s.mesh.dp_rank, layout.dp,

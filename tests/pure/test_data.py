@@ -16,17 +16,8 @@ import torch
 
 from helpers import REPO, refused
 from hpctrain.config import DataConfig
-from hpctrain.data import (
-    EOS,
-    VOCAB_SIZE,
-    SyntheticSource,
-    TokenLoader,
-    build_dataset,
-    decode,
-    encode,
-    open_source,
-    project_corpus_inputs,
-)
+from hpctrain.data import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source
+from hpctrain.databuild import build_dataset, project_corpus_inputs
 from hpctrain.tokenfiles import ArraySource, HDF5Source
 
 SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}

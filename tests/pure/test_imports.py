@@ -22,7 +22,7 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
-    ["hfconfig"],
+    ["hfconfig", "cliutil"],
     # 1: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
     # nothing of hpctrain
     ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "parallel/__init__",
@@ -34,10 +34,10 @@ LEVELS: list[list[str]] = [
      "checkpoint/lock"],
     # 3: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
     # single-device model; what checkpoints cost
-    ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing"],
+    ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing", "databuild"],
     # 4: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
-     "planner/peak"],
+     "planner/peak", "tokenized", "blend"],
     # 5: what the trainer is made of
     ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
@@ -51,7 +51,7 @@ LEVELS: list[list[str]] = [
     # 9: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
     # 10: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export
-    ["launch", "checkpoint/hf"],
+    ["launch", "checkpoint/hf", "cli_data"],
     # 11: the `hpctrain` command
     ["cli"],
 ]
