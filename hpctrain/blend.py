@@ -84,8 +84,8 @@ class BlendLoader:
         mine = picks[self.dp_rank * self.micro_batch_size:(self.dp_rank + 1) * self.micro_batch_size]
         rows = np.stack([self.sources[f].read(self._sample(f, k) * self.seq_len, self.seq_len + 1)
                          for f, k in mine])
-        for f in {f for f, _ in mine}:
-            bad = rows[(rows < 0) | (rows >= self.sources[f].vocab_size)]
+        for (f, _), row in zip(mine, rows):
+            bad = row[(row < 0) | (row >= self.sources[f].vocab_size)]
             if bad.size:
                 raise ValueError(f"{self.sources[f].name!r} holds token id {int(bad[0])} outside vocab_size "
                                  f"{self.sources[f].vocab_size}, checked when it was opened: was it changed since?")
