@@ -85,3 +85,29 @@ def ours_as_hf(weights: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.
     from hpctrain.checkpoint.hf_import import VOCAB_ROWS, hf_name
 
     return {hf_name(k): (v[:vocab] if k in VOCAB_ROWS else v) for k, v in weights.items()}
+
+
+def project_paragraphs(count: int = 60) -> list[str]:
+    """Documents from this project's own files: paragraphs of README.md and of the package's modules."""
+    from helpers import REPO
+
+    files = [REPO / "README.md", *sorted((REPO / "hpctrain").glob("*.py"))]
+    text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40]
+    assert len(paragraphs) >= count
+    return paragraphs[:count]
+
+
+def train_bpe(path: Path, docs: list[str], vocab: int = 500, eos: str = "<|endoftext|>") -> Path:
+    """A byte-level BPE tokenizer.json trained on `docs` by the tokenizers library, with `eos` as special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[eos],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path

@@ -23,6 +23,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from hpctrain import hfconfig
+from hpctrain.checkpoint import hf_import
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
 from hpctrain.config import Config, to_dict
@@ -76,6 +78,9 @@ class Checkpointer:
         self.resume, self.total_steps = cfg.train.resume, cfg.train.steps
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.mgr = CheckpointManager(self.cfg, self.run_dir, rank)
+        self.mgr.attach, skipped = hf_import.tokenizer_files(hfconfig.hf_dir(cfg.train.init_from), cfg.data.files)
+        if skipped and rank == 0:
+            log.warning("tokenizer files not recorded in checkpoints: %s", ", ".join(skipped))
         self.provenance = ckpt_state.provenance(to_dict(cfg), layout, cfg.parallel.zero_stage, rank)
         self.loaded_step: int | None = None
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.hf_import import INDEX_NAME, SINGLE, VOCAB_ROWS, hf_name
+from hpctrain.checkpoint.hf_import import INDEX_NAME, SINGLE, TOKENIZER_FILES, VOCAB_ROWS, hf_name
 from hpctrain.checkpoint.inspection import (
     MODEL_PREFIX,
     ModelTensors,
@@ -55,7 +55,6 @@ from hpctrain.dims import ModelDims
 from hpctrain.fsutil import fsync_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 def run_dims(marker: dict[str, Any], where: Path) -> ModelDims:

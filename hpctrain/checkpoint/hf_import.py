@@ -37,6 +37,8 @@ BLOCK_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")  # padded vocabulary rows: trimmed on export, zeros here
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+_MAX_TOKENIZER_BYTES = 64 << 20
 SINGLE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # a buffer older exports carry
@@ -92,6 +94,25 @@ def weight_map(directory: Path) -> dict[str, Path]:
     single = _plain_file(directory, SINGLE, f"{str(directory)!r} (no {INDEX_NAME})")
     with safe_open(str(single), framework="pt") as h:
         return {key: single for key in h.keys()}
+
+
+def tokenizer_files(init_from_dir: Path | None, data_files: list[str]) -> tuple[dict[str, Path], list[str]]:
+    """The tokenizer files a run records in each checkpoint ({name in the step directory: source}), and why any
+    were passed over: those of the HF directory it starts from, else the tokenizer.json that `hpctrain data
+    build --tokenizer` left beside its data (the first file's). Links and files over 64 MB are passed over."""
+    from hpctrain.tokenfiles import tokenizer_file
+    found: dict[str, Path] = {}
+    if init_from_dir is not None:
+        found = {n: init_from_dir / n for n in TOKENIZER_FILES if (init_from_dir / n).exists()}
+    if not found and data_files:
+        beside = tokenizer_file(data_files[0])
+        if beside.exists():
+            found = {"tokenizer.json": beside}
+    skipped = [f"{p} (a link or not a regular file)" for p in found.values() if p.is_symlink() or not p.is_file()]
+    skipped += [f"{p} ({p.stat().st_size} bytes)" for p in found.values()
+                if p.is_file() and not p.is_symlink() and p.stat().st_size > _MAX_TOKENIZER_BYTES]
+    bad = {s.split(" (")[0] for s in skipped}
+    return {n: p for n, p in found.items() if str(p) not in bad}, skipped
 
 
 def expected_names(dims: ModelDims) -> dict[str, str]:

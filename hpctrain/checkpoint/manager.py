@@ -154,6 +154,7 @@ class CheckpointManager:
         self.rank = rank
         self.lock = None
         self.pending: tuple[int, Future, dict, dict] | None = None  # async save in flight
+        self.attach: dict[str, Path] = {}  # {name: source}: files rank 0 copies into every checkpoint it commits
         self.async_group = None
         self.stager = None
         if not writer:
@@ -257,6 +258,8 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:
+            for name, source in self.attach.items():  # small files that travel with every checkpoint (tokenizer)
+                shutil.copyfile(source, tmp / name)
             _write_json(tmp / EXTRA, extra_json)
             seq = 1 + max((s for s in map(marker_seq, self.root.iterdir()) if s is not None), default=0)
             marker = {"step": step, "seq": seq, "marker_version": MARKER_VERSION,

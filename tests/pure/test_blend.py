@@ -101,7 +101,8 @@ def test_blended_validation_reads_every_file_in_order(files) -> None:
 
 
 def _run(tmp_path, files, *sets):
-    cfg = load_config(None, SMALL + ["model.vocab_size=2100", "data.source=bin", f"data.paths={[str(f) for f in files]}",
+    paths = [str(f) for f in files]
+    cfg = load_config(None, SMALL + ["model.vocab_size=2100", "data.source=bin", f"data.paths={paths}",
                                      "data.weights=[3.0, 1.0]", "data.seq_len=8", "train.micro_batch_size=4",
                                      f"job.run_root={tmp_path / 'runs'}", f"checkpoint.dir={tmp_path / 'ck'}",
                                      *sets])

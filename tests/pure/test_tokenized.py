@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hfcheck import project_paragraphs, train_bpe
 
-from helpers import REPO, SMALL, refused
+from helpers import SMALL, refused
 from hpctrain import session, tokenized
 from hpctrain.cli import main as cli
 from hpctrain.config import load_config
@@ -33,27 +34,12 @@ EOS = "<|endoftext|>"
 
 
 def _docs() -> list[str]:
-    """Documents from this project's own files: paragraphs of README.md and of the package's modules."""
-    files = [REPO / "README.md", *sorted((REPO / "hpctrain").glob("*.py"))]
-    text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
-    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40]
-    assert len(paragraphs) >= 60
-    return paragraphs[:60]
+    return project_paragraphs(60)
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    from tokenizers import decoders
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_docs(), trainer)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", _docs(), eos=EOS)
 
 
 @pytest.fixture(scope="module")
