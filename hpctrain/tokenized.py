@@ -5,13 +5,14 @@
 Inputs are text files (each file one document), JSON lines (`*.jsonl`, `*.json`: one document per line, its text
 under `field`), either of them compressed (.gz, .bz2, .xz; .zst when the zstandard package is there), and
 directories of those. Each document is encoded by the tokenizer (the `tokenizers` library's tokenizer.json,
-special tokens not added) and followed by the tokenizer's EOS id. Files are encoded by `workers` processes in
-parallel and written in input order, so the output is the same bytes for any number of workers. A document goes
-to the validation split ("<stem>.val<suffix>" beside OUT) when a hash of (seed, its index) falls below
-val_fraction: the same documents whatever the workers or formats. Ids are uint16 when the vocabulary fits
-(<= 65536), else uint32. The record (sidecar JSON or HDF5 attributes) holds the tokenizer's sha256, vocab size,
-EOS id and the document count, and a copy of tokenizer.json goes beside OUT (tokenfiles.tokenizer_file), so a
-run records and checks which tokenizer made its data. Everything is written under temporary names and renamed.
+special tokens neither added nor read from the text) and followed by the tokenizer's EOS id. Files are encoded
+by `workers` processes in parallel and written in input order, so the output is the same bytes for any number
+of workers. A document goes to the validation split ("<stem>.val<suffix>" beside OUT) when a hash of (seed, its
+index) falls below val_fraction: the same documents whatever the workers or formats. Ids are uint16 when the
+vocabulary fits (<= 65536), else uint32. The record (sidecar JSON or HDF5 attributes) holds the tokenizer's
+sha256, vocab size, EOS id and the document count, and a copy of tokenizer.json goes beside OUT
+(tokenfiles.tokenizer_file), so a run records and checks which tokenizer made its data. Everything is written
+under temporary names and renamed.
 """
 from __future__ import annotations
 
@@ -141,7 +142,11 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(tokenizer_json: str) -> None:
     from tokenizers import Tokenizer
-    _WORKER["tok"] = Tokenizer.from_str(tokenizer_json)
+    tok = Tokenizer.from_str(tokenizer_json)
+    # text that spells a special token ("<|endoftext|>" in a document about tokenizers) stays text: only the
+    # builder puts EOS ids between documents
+    tok.encode_special_tokens = True
+    _WORKER["tok"] = tok
 
 
 def _encode_file(args: tuple[str, str]) -> tuple[list[np.ndarray], int]:

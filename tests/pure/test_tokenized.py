@@ -166,3 +166,15 @@ def test_cli_builds_and_the_dataset_trains(bpe, inputs, tmp_path) -> None:
         res = Trainer(cfg, s).fit()
     assert all(math.isfinite(v) for v in res["losses"]) and res["losses"][0] < math.log(vocab) + 0.5
     assert res["val_losses"][0][0] == 3 and math.isfinite(res["val_loss"])
+
+
+def test_text_spelling_the_eos_token_stays_text(bpe, tmp_path) -> None:
+    from tokenizers import Tokenizer
+    doc = f"a document about tokenizers mentions {EOS} in its text"
+    (tmp_path / "d.txt").write_text(doc)
+    tokenized.build_tokenized([tmp_path / "d.txt"], tmp_path / "d.bin", bpe, workers=1)
+    tokens = ArraySource(tmp_path / "d.bin").read(0, 10 ** 6)
+    tok = Tokenizer.from_file(str(bpe))
+    eos = tok.token_to_id(EOS)
+    assert int((tokens == eos).sum()) == 1 and tokens[-1] == eos  # only the separator the builder adds
+    assert tok.decode(tokens[:-1].tolist()) == doc
