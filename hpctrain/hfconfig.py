@@ -27,6 +27,20 @@ def hf_dir(init_from: str) -> Path | None:
     return Path(init_from[len(PREFIX):]) if init_from.startswith(PREFIX) else None
 
 
+def read_json_object(path: Path, max_bytes: int, where: str) -> dict[str, Any]:
+    """A JSON object from an untrusted file, refused when larger than max_bytes, not UTF-8 JSON, or not an object."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{where}: {str(path)!r} is {size} bytes, too large for a {path.name}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{where}: {str(path)!r} is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {str(path)!r} is not a JSON object")
+    return raw
+
+
 def read_hf_config(directory: Path) -> dict[str, Any]:
     """config.json of an HF model directory, checked to be a Llama that hpctrain's model computes exactly."""
     path = directory / "config.json"
@@ -35,14 +49,7 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
         raise ValueError(f"{where}: no such directory")
     if not path.is_file() or path.is_symlink():
         raise ValueError(f"{where}: {str(path)!r} is missing (an HF model directory holds config.json)")
-    if path.stat().st_size > _MAX_CONFIG_BYTES:
-        raise ValueError(f"{where}: {str(path)!r} is {path.stat().st_size} bytes, too large for a config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{where}: {str(path)!r} is not JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {str(path)!r} is not a JSON object")
+    raw = read_json_object(path, _MAX_CONFIG_BYTES, where)
     arch = raw.get("architectures") or []
     if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
         raise ValueError(f"{where}: model_type = {raw.get('model_type')!r}, architectures = {arch}: only Llama "

@@ -389,3 +389,29 @@ def write_lock(root: Path, **fields) -> bytes:
     data = json.dumps(rec).encode()
     (root / NAME).write_bytes(data)
     return data
+
+
+def each_case(out: str, cases_json: str, base_port: int, body) -> None:
+    """A worker's loop over its cases: each on its own MASTER_PORT (a fresh process group), body(case) run, and
+    its error recorded by case name in out/errors-rank<R>.json rather than raised, so the test names the case."""
+    errors = {}
+    for i, case in enumerate(json.loads(cases_json)):
+        os.environ["MASTER_PORT"] = str(base_port + i)
+        try:
+            body(case)
+        except Exception as e:
+            errors[case["name"]] = f"{type(e).__name__}: {e}"
+    Path(out, f"errors-rank{os.environ['RANK']}.json").write_text(json.dumps(errors))
+
+
+def spawn_cases(worker: str, out: Path, cases: list[dict], run_id: str, world: int = 4,
+                ranks_per_node: int = 4) -> None:
+    """Runs tests/workers/<worker> on `world` ranks over `cases` (see each_case) and fails with every case's
+    error and the end of every rank's output when any case failed or any rank exited non-zero."""
+    cmd = [sys.executable, str(WORKERS / worker), str(out), json.dumps(cases), str(free_base_port(len(cases)))]
+    procs = spawn_ranks(world, cmd, ranks_per_node=ranks_per_node, run_id=run_id)
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    errors = {}
+    for f in out.glob("errors-rank*.json"):
+        errors.update(json.loads(f.read_text()))
+    assert not errors and all(p.returncode == 0 for p in procs), f"{errors}\n" + "\n".join(x[-3000:] for x in logs)

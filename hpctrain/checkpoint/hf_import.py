@@ -13,7 +13,6 @@ config.json against [model] when the Config was built. Imports safetensors (the 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpctrain.dims import ModelDims
+from hpctrain.hfconfig import read_json_object
 from hpctrain.model import clean_name
 from hpctrain.parallel.materialize import shard_box
 
@@ -73,13 +73,7 @@ def weight_map(directory: Path) -> dict[str, Path]:
 
     index = directory / INDEX_NAME
     if index.is_file() and not index.is_symlink():
-        if index.stat().st_size > _MAX_INDEX_BYTES:
-            raise ValueError(f"{str(index)!r} is {index.stat().st_size} bytes: too large for an index")
-        try:
-            raw = json.loads(index.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"{str(index)!r} is not JSON: {e}") from None
-        entries = raw.get("weight_map") if isinstance(raw, dict) else None
+        entries = read_json_object(index, _MAX_INDEX_BYTES, "train.init_from").get("weight_map")
         if not isinstance(entries, dict):
             raise ValueError(f"{str(index)!r} holds no weight_map object")
         files = {f: _plain_file(directory, f, str(index)) for f in set(map(str, entries.values()))}

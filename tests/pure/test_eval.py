@@ -2,7 +2,7 @@
 and after the last, on metrics.jsonl rows of their own, the progress line, the summary and the plot; they leave
 training alone (the same losses as a run without them); the same batches every time (an evaluation repeated at
 one step gives the same loss); a missing validation split is refused at submission. Equal across layouts:
-tests/multiproc/test_eval.py.
+tests/multiproc/test_eval_layouts.py.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_eval.py
 """

@@ -3,7 +3,7 @@ a random transformers LlamaForCausalLM (GQA, untied, vocabulary 100 padded to 12
 through the product's Trainer holds exactly the HF weights (padding rows zero) and gives transformers' logits
 within 1e-4 in fp32, from one file or a sharded directory with an index; a resumed run does not read init_from;
 damaged directories are refused naming the tensor or file. The tp, pp and ZeRO-3 imports are
-tests/multiproc/test_hf_import.py's.
+tests/multiproc/test_hf_import_layouts.py's.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_hf_import.py
 """

@@ -1,44 +1,36 @@
-"""One rank of tests/multiproc/test_hf_import.py: for each case (a layout), starts a Trainer whose
-train.init_from names the test's HF directory, lets Trainer.start import it, and records the whole weights
+"""One rank of tests/multiproc/test_hf_import_layouts.py: for each case (a layout), starts a Trainer
+whose train.init_from names the test's HF directory, lets Trainer.start import it, and records the whole weights
 (gathered over every shard and stage); with "save", also saves the imported weights as a checkpoint (step 0),
 which the test exports back to Hugging Face."""
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import full_weights  # noqa: E402
+from helpers import each_case, full_weights  # noqa: E402
 from hpctrain import session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:
-    rank = int(os.environ["RANK"])
-    errors = {}
-    for i, case in enumerate(json.loads(cases_json)):
-        os.environ["MASTER_PORT"] = str(base_port + i)
-        cfg = load_config(None, case["overrides"] + [f"job.run_root={out}/{case['name']}-runs",
-                                                     f"checkpoint.dir={out}/{case['name']}-ck"])
-        try:
-            with session.start(cfg) as s:
-                trainer = Trainer(cfg, s)
-                with trainer.checkpointer() as ckpt:
-                    resumed = trainer.start(ckpt)
-                    if case.get("save"):
-                        ckpt.maybe_save(0, force=True)
-                weights = full_weights(trainer.pm.model)
-                if s.rank == 0:
-                    torch.save({"weights": weights, "resumed": resumed, "dims": trainer.pm.dims.__dict__},
-                               Path(out) / f"{case['name']}.pt")
-        except Exception as e:  # recorded so the test names the case that failed
-            errors[case["name"]] = f"{type(e).__name__}: {e}"
-    Path(out, f"errors-rank{rank}.json").write_text(json.dumps(errors))
+    def case(c: dict) -> None:
+        cfg = load_config(None, c["overrides"] + [f"job.run_root={out}/{c['name']}-runs",
+                                                  f"checkpoint.dir={out}/{c['name']}-ck"])
+        with session.start(cfg) as s:
+            trainer = Trainer(cfg, s)
+            with trainer.checkpointer() as ckpt:
+                resumed = trainer.start(ckpt)
+                if c.get("save"):
+                    ckpt.maybe_save(0, force=True)
+            weights = full_weights(trainer.pm.model)
+            if s.rank == 0:
+                torch.save({"weights": weights, "resumed": resumed, "dims": trainer.pm.dims.__dict__},
+                           Path(out) / f"{c['name']}.pt")
+    each_case(out, cases_json, base_port, case)
 
 
 if __name__ == "__main__":

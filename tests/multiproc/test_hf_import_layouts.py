@@ -5,18 +5,15 @@ and its logits equal transformers' within 1e-4 in fp32; the pp=2 x tp=2 import s
 with `hpctrain ckpt export --format hf` gives back the same tensors and logits. One process: tests/pure/
 test_hf_import.py.
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hf_import.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hf_import_layouts.py
 """
 from __future__ import annotations
-
-import json
-import sys
 
 import pytest
 import torch
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
-from helpers import WORKERS, free_base_port, spawn_ranks
+from helpers import spawn_cases
 from hpctrain.dims import ModelDims
 
 RUN = ["model.max_seq_len=64", "data.source=synthetic", "data.seq_len=16", "train.steps=1", "train.log_every=100",
@@ -34,14 +31,7 @@ def runs(tmp_path_factory) -> dict:
     theirs = make_hf_llama(out / "hf", layers=4, max_shard_size="60KB", seed=3)
     cases = [{"name": name, "overrides": RUN + sets + [f"train.init_from=hf:{out / 'hf'}"], "save": name == "pp2tp2"}
              for name, sets in LAYOUTS.items()]
-    cmd = [sys.executable, str(WORKERS / "hf_import_worker.py"), str(out), json.dumps(cases),
-           str(free_base_port(len(cases)))]
-    procs = spawn_ranks(4, cmd, ranks_per_node=4, run_id="hfimport")
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    errors = {}
-    for f in out.glob("errors-rank*.json"):
-        errors.update(json.loads(f.read_text()))
-    assert not errors and all(p.returncode == 0 for p in procs), f"{errors}\n" + "\n".join(x[-3000:] for x in logs)
+    spawn_cases("hf_import_worker.py", out, cases, run_id="hfimport")
     return {"out": out, "theirs": theirs} | {name: torch.load(out / f"{name}.pt") for name in LAYOUTS}
 
 

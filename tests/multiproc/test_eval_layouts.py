@@ -4,17 +4,14 @@ validation samples after each of 3 steps and agree with the one-process run with
 layout's global micro-batch is 8 samples, or 4 under pp (eval_batches doubled there), so every evaluation covers
 the same 16 samples. Reporting and the rest: tests/pure/test_eval.py.
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_eval.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_eval_layouts.py
 """
 from __future__ import annotations
-
-import json
-import sys
 
 import pytest
 import torch
 
-from helpers import TINY, WORKERS, free_base_port, spawn_ranks
+from helpers import TINY, spawn_cases
 from hpctrain import session
 from hpctrain.config import load_config
 from hpctrain.train import Trainer
@@ -34,14 +31,7 @@ TOL = 2e-5  # fp32: the layouts reduce in other orders
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("eval")
     cases = [{"name": name, "overrides": EVAL + sets} for name, sets in LAYOUTS.items()]
-    cmd = [sys.executable, str(WORKERS / "eval_worker.py"), str(out), json.dumps(cases),
-           str(free_base_port(len(cases)))]
-    procs = spawn_ranks(4, cmd, ranks_per_node=4, run_id="eval")
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    errors = {}
-    for f in out.glob("errors-rank*.json"):
-        errors.update(json.loads(f.read_text()))
-    assert not errors and all(p.returncode == 0 for p in procs), f"{errors}\n" + "\n".join(x[-3000:] for x in logs)
+    spawn_cases("eval_worker.py", out, cases, run_id="eval")
     cfg = load_config(None, TINY + EVAL + ["train.eval_batches=2", f"job.run_root={out}/ref-runs",
                                            f"checkpoint.dir={out}/ref-ck"])
     with session.start(cfg) as s:
