@@ -178,3 +178,22 @@ def test_text_spelling_the_eos_token_stays_text(bpe, tmp_path) -> None:
     eos = tok.token_to_id(EOS)
     assert int((tokens == eos).sum()) == 1 and tokens[-1] == eos  # only the separator the builder adds
     assert tok.decode(tokens[:-1].tolist()) == doc
+
+
+def test_progress_redraws_on_a_terminal_and_prints_lines_otherwise() -> None:
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plain, tty = io.StringIO(), Tty()
+    for stream in (plain, tty):
+        show = tokenized.Progress(3, stream, every_s=0.0)
+        show.last = -1e9  # the first update is due at once
+        show.update(2, 100, 1000)
+        show.update(0, 0, 0, final=True)
+    text, redrawn = plain.getvalue(), tty.getvalue()
+    lines = text.splitlines()
+    assert len(lines) >= 2 and lines[0].startswith("files 1/3  documents 2  tokens 100") and "\r" not in text
+    assert redrawn.startswith("\rfiles 1/3") and redrawn.endswith("\n") and redrawn.count("\n") == 1
