@@ -208,6 +208,9 @@ class TokenLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continues where the saved loader stopped, with its seed; the dp size may differ from the saver's."""
+        if "drawn" in state:  # a run on data.paths resumed with data.path: a KeyError would not say so
+            raise ValueError(f"loader state drawn = {state['drawn']!r:.80} was saved by a blend of data.paths: "
+                             f"resume it with the same data.paths, not data.path")
         if not 0 <= int(state["sample_index"]) <= self.num_samples:
             raise ValueError(f"loader state sample_index = {state['sample_index']} is outside this dataset's "
                              f"{self.num_samples} samples: was it saved for another dataset or seq_len?")
