@@ -10,6 +10,7 @@ torch.distributed: ranks come in as ints.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -92,15 +93,28 @@ class BlendLoader:
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    def _names(self) -> list[str]:
+        return [Path(s.name).name for s in self.sources]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "drawn": list(self.drawn), "samples_seen": self.samples_seen}
+        """The seed, the samples each file has given, and the files' names (a resume with the files of data.paths
+        reordered or swapped would otherwise go on silently with the wrong counts)."""
+        return {"seed": self.seed, "drawn": list(self.drawn), "samples_seen": self.samples_seen,
+                "files": self._names()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         drawn = state.get("drawn")
+        if drawn is None:
+            raise ValueError("the loader state was saved by a single data.path loader, not a blend: resume with "
+                             "the same data.path, or start the blend as a new run")
         if not isinstance(drawn, list) or len(drawn) != len(self.sources) or not all(
                 type(d) is int and d >= 0 for d in drawn):
             raise ValueError(f"blend loader state drawn = {drawn!r:.80} does not fit the {len(self.sources)} files "
                              f"of data.paths: was it saved for another blend?")
+        files = state.get("files", self._names())
+        if files != self._names():
+            raise ValueError(f"the checkpoint's blend read the files {files}, this run's data.paths are "
+                             f"{self._names()}: keep the same files in the same order to resume")
         self.seed, self.drawn = int(state["seed"]), list(drawn)
         self._perms.clear()
 

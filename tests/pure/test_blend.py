@@ -89,6 +89,10 @@ def test_shares_hold_and_the_small_file_wraps(files) -> None:
     big_starts = [int(r[0]) for r in rows[~small]]
     assert len(set(big_starts)) == 30  # the big file repeats nothing in its first epoch
     refused(loader.load_state_dict, {"seed": 0, "drawn": [1], "samples_seen": 1}, fragments=["another blend"])
+    swapped = _loader(files[::-1], 4)
+    refused(swapped.load_state_dict, loader.state_dict(), fragments=["['big.bin', 'small.bin']", "same order"])
+    refused(loader.load_state_dict, {"epoch": 0, "sample_index": 0, "seed": 0, "samples_seen": 0},
+            fragments=["single data.path loader"])
 
 
 def test_blended_validation_reads_every_file_in_order(files) -> None:

@@ -128,7 +128,7 @@ def test_the_single_file_state_still_loads_and_the_kinds_are_not_mixed(blend) ->
     ref.epoch, ref.sample_index, ref.samples_seen = 1, 28, 328
     assert torch.equal(loader.next_batch()[0], ref.next_batch()[0]) and loader.state_dict() == ref.state_dict()
     (blended,) = _loaders(blend, 4, 1)
-    refused(blended.load_state_dict, old, fragments=["drawn = None", "data.paths"])
+    refused(blended.load_state_dict, old, fragments=["single data.path loader", "not a blend"])
     blended.next_batch()
     refused(loader.load_state_dict, blended.state_dict(), fragments=["drawn = [", "data.paths", "not data.path"])
 
