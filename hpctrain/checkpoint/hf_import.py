@@ -66,27 +66,42 @@ def _plain_file(directory: Path, name: object, where: str) -> Path:
     return path
 
 
-def weight_map(directory: Path) -> dict[str, Path]:
-    """Every tensor of an HF directory -> its safetensors file: from model.safetensors.index.json when there is
-    one, else the keys of the single model.safetensors."""
+def _open(path: Path) -> Any:
+    """A safetensors file opened for reading (a context manager); a truncated or foreign file is a ValueError
+    naming it, not safetensors' own error."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # SafetensorError, or OSError from the header read
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file: {e}") from None
+
+
+def weight_map(directory: Path) -> dict[str, Path]:
+    """Every tensor of an HF directory -> its safetensors file: from model.safetensors.index.json when there is
+    one (which must say exactly what each file holds), else the keys of the single model.safetensors."""
     index = directory / INDEX_NAME
-    if index.is_file() and not index.is_symlink():
+    if index.is_symlink():
+        raise ValueError(f"{str(index)!r} is a link: only regular files inside the directory are read")
+    if index.is_file():
         entries = read_json_object(index, _MAX_INDEX_BYTES, "train.init_from").get("weight_map")
-        if not isinstance(entries, dict):
+        if not isinstance(entries, dict) or not entries:
             raise ValueError(f"{str(index)!r} holds no weight_map object")
-        files = {f: _plain_file(directory, f, str(index)) for f in set(map(str, entries.values()))}
+        files = {f: _plain_file(directory, f, str(index)) for f in sorted({str(v) for v in entries.values()})}
         mapping = {str(k): files[str(v)] for k, v in entries.items()}
-        for f, path in files.items():  # the index must say what the files hold: a tensor in two files is refused
-            with safe_open(str(path), framework="pt") as h:
-                for key in h.keys():
-                    if mapping.get(key) != path:
-                        raise ValueError(f"{str(path)!r} holds {key!r}, which {INDEX_NAME} places "
-                                         f"{'in ' + repr(mapping[key].name) if key in mapping else 'nowhere'}")
+        for path in files.values():  # a tensor in two files, or one the index places where it is not, is refused
+            with _open(path) as h:
+                held = set(h.keys())
+            for key in held:
+                if mapping.get(key) != path:
+                    raise ValueError(f"{str(path)!r} holds {key!r}, which {INDEX_NAME} places "
+                                     f"{'in ' + repr(mapping[key].name) if key in mapping else 'nowhere'}")
+            absent = sorted(k for k, f in mapping.items() if f == path and k not in held)
+            if absent:
+                raise ValueError(f"{INDEX_NAME} places {absent[:3]} in {path.name!r}, which does not hold them")
         return mapping
     single = _plain_file(directory, SINGLE, f"{str(directory)!r} (no {INDEX_NAME})")
-    with safe_open(str(single), framework="pt") as h:
+    with _open(single) as h:
         return {key: single for key in h.keys()}
 
 
@@ -125,30 +140,40 @@ def _check_names(found: dict[str, Path], dims: ModelDims, directory: Path) -> No
                          f"{' ...' if len(unknown) > 5 else ''} (model: {dims.n_layers} layers, dim {dims.dim})")
 
 
-def _read_box(handle: Any, key: str, name: str, full: tuple[int, ...], offset: tuple[int, ...],
-              shape: tuple[int, ...], true_rows: int, where: str) -> torch.Tensor:
-    """The [offset, offset + shape) box of tensor `key`, read from its file; rows past `true_rows` (vocabulary
-    padding) come back as zeros."""
-    part = handle.get_slice(key)
-    stored, dtype = tuple(part.get_shape()), part.get_dtype()
-    want = (true_rows, *full[1:]) if name in VOCAB_ROWS else full
-    if stored != want:
-        raise ValueError(f"{where}: {key} has shape {list(stored)}, this model needs {list(want)}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"{where}: {key} is {dtype}; only F32, BF16 and F16 weights are read")
+def _check_headers(handles: dict[Path, Any], found: dict[str, Path], dims: ModelDims, where: str) -> None:
+    """Every tensor this model takes has the shape [model] implies (the vocabulary rows unpadded) and a float
+    dtype we convert. Headers only: every rank checks them all, so a bad directory stops every rank alike
+    instead of one rank raising while the others wait in a collective."""
+    true_rows, shapes = dims.true_vocab_size or dims.vocab_size, dims.param_shapes()
+    for key, name in expected_names(dims).items():
+        part = handles[found[key]].get_slice(key)
+        stored, dtype = tuple(part.get_shape()), part.get_dtype()
+        full = shapes[name]
+        want = (true_rows, *full[1:]) if name in VOCAB_ROWS else full
+        if stored != want:
+            raise ValueError(f"{where}: {key} has shape {list(stored)}, this model needs {list(want)}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{where}: {key} is {dtype}; only F32, BF16 and F16 weights are read")
+
+
+def _read_box(handle: Any, key: str, offset: tuple[int, ...], shape: tuple[int, ...], rows_held: int
+              ) -> torch.Tensor:
+    """The [offset, offset + shape) box of tensor `key` (checked by _check_headers), in fp32; rows at or past
+    rows_held (vocabulary padding) come back as zeros. Reads only the box from the file."""
     out = torch.zeros(shape, dtype=torch.float32)
-    rows = max(0, min(offset[0] + shape[0], want[0]) - offset[0])  # of this box, those the file holds
+    rows = max(0, min(offset[0] + shape[0], rows_held) - offset[0])  # of this box, those the file holds
     if rows:
         index = (slice(offset[0], offset[0] + rows), *(slice(o, o + s) for o, s in zip(offset[1:], shape[1:])))
-        out[:rows] = part[index].float()
+        out[:rows] = handle.get_slice(key)[index].float()
     return out
 
 
 def load_hf(model: nn.Module, dims: ModelDims, directory: Path) -> dict[str, Any]:
     """Fills every parameter of `model` (this rank's shards of it, any layout; tied ones once) from the HF
-    directory. Returns {"tensors", "bytes" (read by this rank), "files"}. Collective-free: each rank reads alone."""
+    directory, after checking all of it. Returns {"tensors", "bytes" (read by this rank), "files"}.
+    Collective-free: each rank reads alone. The caller marks the model filled (pm.loaded())."""
     try:
-        from safetensors import safe_open
+        import safetensors  # noqa: F401
     except ImportError:
         raise ValueError("train.init_from = 'hf:...' needs the safetensors package: pip install 'hpctrain[hf]'") \
             from None
@@ -156,24 +181,26 @@ def load_hf(model: nn.Module, dims: ModelDims, directory: Path) -> dict[str, Any
     found = weight_map(directory)
     _check_names(found, dims, directory)
     shapes = dims.param_shapes()
+    true_rows = dims.true_vocab_size or dims.vocab_size
     handles: dict[Path, Any] = {}
     read = 0
     try:
+        for path in sorted(set(found.values())):
+            handles[path] = _open(path).__enter__()
+        _check_headers(handles, found, dims, where)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 n = clean_name(name)
                 key = hf_name(n)
                 if key not in found:  # only lm_head of a tied model, which shares the embedding's parameter
                     raise ValueError(f"{where}: {key} is missing")
-                path = found[key]
-                if path not in handles:
-                    handles[path] = safe_open(str(path), framework="pt").__enter__()
                 offset, shape = shard_box(p)
-                box = _read_box(handles[path], key, n, shapes[n], offset, shape, dims.true_vocab_size, where)
+                rows_held = true_rows if n in VOCAB_ROWS else shapes[n][0]
+                box = _read_box(handles[found[key]], key, offset, shape, rows_held)
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.copy_(box.to(local.dtype))
                 read += box.numel() * box.element_size()
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    return {"tensors": sum(1 for _ in model.parameters()), "bytes": read, "files": len(set(found.values()))}
+    return {"tensors": sum(1 for _ in model.parameters()), "bytes": read, "files": len(handles)}
