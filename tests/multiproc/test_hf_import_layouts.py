@@ -1,6 +1,7 @@
 """train.init_from = "hf:DIR" in parallel layouts, 4 gloo ranks: a random transformers LlamaForCausalLM (GQA,
 untied, vocabulary 100 padded, 4 layers, saved sharded with an index) imported at tp=2 x dp=2 ZeRO-3, pp=2 x
-tp=2 and pp=2 x dp=2 holds exactly the HF weights on every shard and stage (each rank read only its slices),
+tp=2, pp=2 x dp=2 and interleaved pp=2 (2 stages a rank) x dp=2 ZeRO-2, and a tied one at tp=2 x dp=2 ZeRO-2
+(still one matrix), holds exactly the HF weights on every shard and stage (each rank read only its slices),
 and its logits equal transformers' within 1e-4 in fp32; the pp=2 x tp=2 import saved as a checkpoint and exported
 with `hpctrain ckpt export --format hf` gives back the same tensors and logits. One process: tests/pure/
 test_hf_import.py.
@@ -22,26 +23,35 @@ LAYOUTS = {
     "tp2dp2_zero3": ["parallel.tp=2", "parallel.zero_stage=3"],
     "pp2tp2": ["parallel.pp=2", "parallel.tp=2", "train.grad_accum=2"],
     "pp2dp2": ["parallel.pp=2", "train.grad_accum=2"],
+    # two stages per rank (layers 0 and 2 on rank 0), FSDP under the stages
+    "pp2v2dp2_zero2": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                       "parallel.zero_stage=2", "train.grad_accum=2"],
+    # a tied directory (no lm_head.weight): the one embedding matrix sharded over tp and FSDP's dp
+    "tp2dp2_zero2_tied": ["parallel.tp=2", "parallel.zero_stage=2"],
 }
+TIED = {"tp2dp2_zero2_tied"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("hfimport")
     theirs = make_hf_llama(out / "hf", layers=4, max_shard_size="60KB", seed=3)
-    cases = [{"name": name, "overrides": RUN + sets + [f"train.init_from=hf:{out / 'hf'}"], "save": name == "pp2tp2"}
+    tied = make_hf_llama(out / "hf-tied", layers=4, tied=True, seed=4)
+    cases = [{"name": name, "save": name == "pp2tp2",
+              "overrides": RUN + sets + [f"train.init_from=hf:{out / ('hf-tied' if name in TIED else 'hf')}"]}
              for name, sets in LAYOUTS.items()]
     spawn_cases("hf_import_worker.py", out, cases, run_id="hfimport")
-    return {"out": out, "theirs": theirs} | {name: torch.load(out / f"{name}.pt") for name in LAYOUTS}
+    return {"out": out, "theirs": theirs, "tied": tied} | {name: torch.load(out / f"{name}.pt") for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_holds_the_hf_weights(runs, layout) -> None:
-    got = runs[layout]
+    got, source = runs[layout], ("hf-tied", "tied") if layout in TIED else ("hf", "theirs")
     assert got["resumed"] is None
+    assert got["tied"] == (layout in TIED)  # one matrix for both ends on every rank, as the directory says
     mine = ours_as_hf(got["weights"], 100)
-    assert mine.keys() == runs["theirs"].keys()
-    for k, v in runs["theirs"].items():
+    assert mine.keys() == runs[source[1]].keys()
+    for k, v in runs[source[1]].items():
         assert torch.equal(mine[k], v), (layout, k)
     for name in ("tok_embeddings.weight", "output.weight"):
         assert torch.count_nonzero(got["weights"][name][100:]) == 0
@@ -49,7 +59,7 @@ def test_every_layout_holds_the_hf_weights(runs, layout) -> None:
     ids = tokens(100, 24)
     ours = hpctrain_logits(got["weights"], dims, ids)
     assert ours.abs().max() > 0.1
-    assert (ours - hf_logits(runs["out"] / "hf", ids)).abs().max().item() < LOGIT_TOL
+    assert (ours - hf_logits(runs["out"] / source[0], ids)).abs().max().item() < LOGIT_TOL
 
 
 def test_export_from_pipeline_checkpoint_gives_back_the_hf_model(runs, tmp_path) -> None:
