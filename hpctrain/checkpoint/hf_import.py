@@ -8,8 +8,10 @@ export). q and k need no permutation: hpctrain's apply_rope is HF's rotate_half.
 hpctrain pads on (to a multiple of lcm(64, tp)) are zeros: their logits start at 0 and training pushes them down,
 as no target is ever a padding id. Nothing in the directory is trusted: model.safetensors.index.json may only
 name plain files inside the directory, every tensor hpctrain needs must be there exactly once with its shape,
-and an unknown tensor is refused (a directory of another architecture or size). hfconfig has already checked
-config.json against [model] when the Config was built. Imports safetensors (the `hf` extras) only when called.
+and an unknown tensor is refused (a directory of another architecture or size). Every rank checks every
+tensor's header (shape, dtype) before reading, so a bad directory stops all ranks alike. hfconfig has already
+checked config.json against [model] when the Config was built. Imports safetensors (the `hf` extras) only when
+called.
 """
 from __future__ import annotations
 
