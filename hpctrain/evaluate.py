@@ -3,7 +3,7 @@ evaluation, forward only, on every rank of any layout.
 
     ev = Evaluator(cfg, vocab_size, dp_rank, dp_size, micro_batch, dp_group, device)
     if ev.due(step, total_steps):
-        row = ev.run(batch_loss, chunk)   # {"step", "val_loss", "val_tokens", "eval_s"}
+        row = ev.run(step, batch_loss, chunk)   # {"step", "val_loss", "val_tokens", "eval_s"}
 
 `batch_loss(batches)` is the trainer's: the sum of the per-micro-batch mean cross-entropies of `chunk` micro-batches
 (one pipeline schedule's worth under pp, where it runs the schedule's forward-only eval; else one at a time), the
@@ -37,6 +37,9 @@ class Evaluator:
         return step % self.every == 0 or step == total_steps
 
     def run(self, step: int, batch_loss: Callable[[list], torch.Tensor], chunk: int = 1) -> dict[str, Any]:
+        # the step's kernels still queued are training time: TrainLog takes eval_s out of the step's throughput
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         batches = list(self.loader.batches())
         batches = batches[:len(batches) - len(batches) % chunk]  # a pipeline schedule takes whole groups

@@ -7,6 +7,7 @@ checkpoints reshard across pp sizes), the schedule, and per-rank compute timing 
     parts = [stage_module(model, plan, s) for s in plan.stages_of(pp_rank)]
     pipe = Pipeline(plan, parts, pp_rank, pp_group, device, microbatches, loss_fn)
     loss = pipe.forward_backward(batches, context, loss_scale)      # one step's mean loss, on every pp rank
+    total = pipe.eval_loss(batches, context, loss_scale)            # forward only: the sum of their mean losses
     pipe.summary(grad_accum)                                        # idle share per pp rank (collective)
 
 Stage s holds plan.layers[s] (global block indices); stage 0 also the embedding, the last stage the final norm
@@ -15,6 +16,7 @@ for the ZBV schedule (rank r runs r and 2 pp - 1 - r).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -236,6 +238,7 @@ class Pipeline:
         self.busy_s = self.wall_s = 0.0
         self.steps = 0
         self.shapes_known = False  # the first step infers shapes across stages: never timed (not the bubble)
+        self.eval_order: dict[int, list] | None = None  # see _forward_only
 
     def step(self, x: torch.Tensor, y: torch.Tensor, timed: bool = True) -> list[torch.Tensor] | None:
         import torch.distributed as dist
@@ -290,7 +293,7 @@ class Pipeline:
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
         for st in self.stages:
             st.timing = False
-        with context:
+        with context, self._forward_only():
             self.schedule.eval(*args, **kwargs)
         total = torch.zeros((), device=self.device)
         if self.last:
@@ -298,6 +301,28 @@ class Pipeline:
             total = total / loss_scale
         dist.all_reduce(total, group=self.group)  # only the last stage's ranks add a non-zero loss
         return total
+
+    @contextlib.contextmanager
+    def _forward_only(self):
+        """Around schedule.eval(): a multi-stage schedule runs its training order with the forward actions and their
+        sends and receives only. torch 2.13's eval() of these schedules still runs the backward actions (as
+        no-ops), and ZBV's two adjacent stages on one rank fail there ("can't steal_bwd_input if this stage doesn't
+        have backward"). Dropping actions keeps every rank's forwards in the order training runs them, so no new
+        wait can arise. gpipe and 1f1b: eval() runs forwards only already."""
+        sched = self.schedule
+        train_order = getattr(sched, "pipeline_order_with_comms", None)
+        if train_order is None:
+            yield
+            return
+        if self.eval_order is None:
+            from torch.distributed.pipelining.schedules import FORWARD, RECV_F, RESHARD, SEND_F, UNSHARD
+            keep = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
+            self.eval_order = {r: [a for a in ops if a.computation_type in keep] for r, ops in train_order.items()}
+        sched.pipeline_order_with_comms = self.eval_order
+        try:
+            yield
+        finally:
+            sched.pipeline_order_with_comms = train_order
 
     def summary(self, microbatches: int) -> dict[str, Any]:
         """Per pp rank: mean step time (schedule only, the timed steps since the last timing() call), compute time,

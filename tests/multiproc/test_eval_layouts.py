@@ -1,8 +1,9 @@
 """Validation loss is the same number in every layout, 4 gloo ranks against one process: dp=4, tp=2 x dp=2
-ZeRO-3, pp=2 x dp=2 (1F1B, the schedule's forward-only eval) and pp=2 x tp=2 (loss parallel) evaluate the same
-validation samples after each of 3 steps and agree with the one-process run within fp32 reduction order. Each
-layout's global micro-batch is 8 samples, or 4 under pp (eval_batches doubled there), so every evaluation covers
-the same 16 samples. Reporting and the rest: tests/pure/test_eval.py.
+ZeRO-3, pp=2 x dp=2 (1F1B, the schedule's forward-only eval), pp=2 x tp=2 (loss parallel) and pp=2 x dp=2 under
+ZBV (two stages a rank in a V: Pipeline runs its forwards only) evaluate the same validation samples after each of
+3 steps and agree with the one-process run within fp32 reduction order. Each layout's global micro-batch is 8
+samples, or 4 (2 for ZBV) under pp, eval_batches raised to match, so every evaluation covers the same 16 samples.
+Reporting and the rest: tests/pure/test_eval.py.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_eval_layouts.py
 """
@@ -16,13 +17,15 @@ from hpctrain import session
 from hpctrain.config import load_config
 from hpctrain.train import Trainer
 
-EVAL = ["train.steps=3", "train.eval_every=1", "checkpoint.at_end=false"]
+EVAL = ["train.steps=3", "train.eval_every=1", "checkpoint.at_end=false", "model.n_layers=4"]  # 4: ZBV's stages
 LAYOUTS = {
     "dp4": ["train.micro_batch_size=2", "train.eval_batches=2"],
     "tp2dp2_zero3": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4", "train.eval_batches=2"],
     "pp2dp2": ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
     "pp2tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=4", "train.grad_accum=2",
                "train.eval_batches=4"],
+    "pp2dp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+                   "train.micro_batch_size=1", "train.grad_accum=4", "train.eval_batches=8"],
 }
 TOL = 2e-5  # fp32: the layouts reduce in other orders
 
