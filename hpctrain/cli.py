@@ -6,6 +6,7 @@
     hpctrain bench COLL... [nccl-tests flags]              # collective benchmark; `bench gemm` for matmul
     hpctrain data build OUT [INPUTS...] [--tokenizer F]    # token datasets (byte level, or a tokenizer's)
     hpctrain plot RUN_DIR                                  # training curves
+    hpctrain diagnose RUN_DIR                              # who stopped where in a hung or failed run
     hpctrain ckpt ls|inspect|verify|export ...             # checkpoints (export --format hf: transformers)
 
 Config and layout errors exit with status 2 and a message naming the value, before anything is submitted. A rank
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import click
 
 from hpctrain.cli_data import data_group
+from hpctrain.cli_diagnose import diagnose_cmd
 from hpctrain.cliutil import CONFIG_ARG, SET_OPT, user_errors
 from hpctrain.config import Config, load_config
 
@@ -38,12 +40,12 @@ def ends_launch_on_error(fn):
         try:
             return fn(*args, **kwargs)
         except (Exception, KeyboardInterrupt) as e:
-            from hpctrain import launch, rendezvous
+            from hpctrain import rendezvous
             if not rendezvous.mpi_running():
                 raise
             trace = traceback.format_exc()
             click.echo(f"Error: {e.format_message()}" if isinstance(e, click.ClickException) else trace, err=True)
-            launch.leave_task_error(trace)
+            rendezvous.leave_task_error(trace)
             rendezvous.abort_launch(1)
             raise  # not reached: MPI_Abort ends the process
     return wrapper
@@ -382,3 +384,4 @@ if __name__ == "__main__":
 
 
 main.add_command(data_group)
+main.add_command(diagnose_cmd)

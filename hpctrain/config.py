@@ -60,6 +60,9 @@ class TrainConfig:
     init_from: str = ""
     eval_every: int = 0  # validation loss every this many steps, and after the last; 0: never
     eval_batches: int = 8  # global micro-batches of the validation split per evaluation, the same ones each time
+    # straggler report: at log steps a rank whose compute time (its step less the time it waited for others)
+    # exceeds the median rank's by more than this fraction is named, with its host
+    straggler_margin: float = 0.2
 
     def __post_init__(self) -> None:
         check_fields("train", self)
@@ -70,6 +73,7 @@ class TrainConfig:
         check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio = {self.min_lr_ratio} must be within [0, 1]")
         check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
                f"train.beta1 = {self.beta1}, train.beta2 = {self.beta2} must be within [0, 1)")
+        check(self.straggler_margin > 0, f"train.straggler_margin = {self.straggler_margin} must be > 0")
         check(self.loss_scale > 0, f"train.loss_scale = {self.loss_scale} must be > 0")
         one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
         one_of("train", "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))

@@ -28,18 +28,6 @@ class SubmitError(RuntimeError):
     """Slurm refused the job or it failed; the message says why."""
 
 
-def leave_task_error(trace: str) -> None:
-    """Inside a submitit task: its error result, as submitit writes it when a task raises. A rank that ends its
-    launch with MPI_Abort never returns to submitit, and `wait` would otherwise wait for a result that never comes."""
-    if "SUBMITIT_FOLDER" not in os.environ:  # set by submitit's task runner only
-        return
-    import submitit
-    from submitit.core import utils
-
-    with utils.temporary_save_path(submitit.JobEnvironment().paths.result_pickle) as tmp:
-        utils.cloudpickle_dump(("error", trace), tmp)
-
-
 def _run(cmd: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 

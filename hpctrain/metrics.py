@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from hpctrain.bench.gemm import measure_gemm
+from hpctrain.stragglers import describe
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,10 @@ class MetricsLog:
         eta = (time.time() - self.t0) / max(done, 1e-9) * (1 - done)
         gemm = f" (gemm {row['mfu_gemm']:.1%})" if row.get("mfu_gemm") is not None else ""
         val = f" val {self.val_loss:.4f}" if self.val_loss is not None else ""
+        slow = describe({"slow": row.get("stragglers", [])})
         return (f"[{bar}] step {row['step']}/{self.total} loss {row['loss']:.4f}{val} lr {row['lr']:.2e} "
                 f"gnorm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s mfu {row['mfu']:.1%}{gemm} "
-                f"eta {eta:.0f}s")
+                f"eta {eta:.0f}s" + (f" | {slow}" if slow else ""))
 
     def close(self) -> None:
         if self.tb is not None:
@@ -221,7 +223,10 @@ class TrainLog:
         self.tick, self.tokens_at_tick = time.time(), tokens_seen
         self.profiler = start_profiler(profile_steps, run_dir, rank, device)
 
-    def step(self, row: dict[str, Any], tokens_seen: int, log_step: bool) -> None:
+    def step(self, row: dict[str, Any], tokens_seen: int, log_step: bool,
+             ranks: dict[str, Any] | None = None) -> None:
+        """ranks: on log steps, the straggler report of the steps since the previous one (stragglers.py): every
+        rank's compute and wait seconds, and the slow ones, go into the row and the progress line."""
         self.pending.append(row["loss"])
         if self.profiler is not None:
             self.profiler.step()
@@ -237,6 +242,8 @@ class TrainLog:
             mfu_gemm=tflops / self.gemm["tflops"], peak_source=self.peak.source,
             peak_mem_gb=peak_memory_bytes(self.device) / 1e9, tokens_seen=tokens_seen,
             time_s=time.time() - self.log_file.t0)
+        if ranks is not None:
+            row.update(rank_compute_s=ranks["compute_s"], rank_wait_s=ranks["wait_s"], stragglers=ranks["slow"])
         self.log_file.log(row)
         if self.rank0:
             log.info("%s", self.log_file.progress(row))

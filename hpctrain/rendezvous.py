@@ -172,6 +172,18 @@ def mpi_running() -> bool:
     return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
 
 
+def leave_task_error(trace: str) -> None:
+    """Inside a submitit task: its error result, as submitit writes it when a task raises. A rank that ends its
+    launch with MPI_Abort never returns to submitit, and `wait` would otherwise wait for a result that never comes."""
+    if "SUBMITIT_FOLDER" not in os.environ:  # set by submitit's task runner only
+        return
+    import submitit
+    from submitit.core import utils
+
+    with utils.temporary_save_path(submitit.JobEnvironment().paths.result_pickle) as tmp:
+        utils.cloudpickle_dump(("error", trace), tmp)
+
+
 def abort_launch(code: int = 1) -> None:
     """Ends every rank of this MPI launch now (MPI_Abort); returns without MPI.
 
@@ -362,8 +374,13 @@ def emulated_device_backend(config: str) -> str:
 
 
 def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 600, master_addr: str = "",
-                     rendezvous_dir: str | Path | None = None, *, interface: str = "", connect_timeout_s: int = 60):
-    """Starts torch.distributed for this identity and returns the rank's device."""
+                     rendezvous_dir: str | Path | None = None, *, interface: str = "", connect_timeout_s: int = 60,
+                     flight_recorder: int = 0):
+    """Starts torch.distributed for this identity and returns the rank's device. flight_recorder: entries of
+    torch's flight recorder (every group's recent collectives, for hang dumps), unless the environment sets its
+    size already (TORCH_FR_BUFFER_SIZE, or NCCL's older TORCH_NCCL_TRACE_BUFFER_SIZE)."""
+    if flight_recorder and not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(flight_recorder)  # read when a process group is made
     import torch
     import torch.distributed as dist
 

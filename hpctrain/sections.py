@@ -126,6 +126,14 @@ class ParallelConfig:
     tp: int = 1  # must fit inside one node
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_s: int = 600  # collective and rendezvous timeout
+    # the hang watchdog (hpctrain/watchdog.py): no progress within a step's phase for this long dumps every live
+    # rank's stacks and flight recorder into RUN_DIR/hang/ and ends the job; 0: off; -1: half of timeout_s, at
+    # most 300 s. Must be shorter than timeout_s, so it speaks before the collective timeout (which names nobody)
+    hang_timeout_s: int = -1
+    # the watchdog's limit for the long phases: start-up (model build, resume) to the end of the first step
+    # (compile, lazy NCCL set-up), checkpoint saves and evaluations; 0: as hang_timeout_s
+    startup_timeout_s: int = 1200
+    flight_recorder: int = 2000  # collectives each rank remembers (torch's flight recorder) for hang dumps; 0: off
     rendezvous: str = "auto"  # auto | mpi | slurm | submitit | torchrun | single
     master_addr: str = ""  # where rank 0's store listens (bound to it only); empty: parallel.interface's address,
     #                        else 127.0.0.1 on one host, else the host name's address unless it is loopback
@@ -139,9 +147,26 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # model chunks per pp rank: 1 for gpipe/1f1b, >= 2 interleaved, 2 for zbv
     pp_layers: list[int] = field(default_factory=list)  # blocks per stage (pp * virtual entries); [] balanced
 
+    @property
+    def hang_limits_s(self) -> tuple[float, float] | None:
+        """(step, long) limits of the hang watchdog in seconds, None when it is off."""
+        step = self.hang_timeout_s if self.hang_timeout_s >= 0 else min(300, self.timeout_s / 2)
+        if step == 0:
+            return None
+        return step, float(self.startup_timeout_s or step)
+
     def __post_init__(self) -> None:
         check_fields("parallel", self)
         positive("parallel", self, "pp", "tp", "timeout_s", "connect_timeout_s", "pp_virtual_stages")
+        positive("parallel", self, "startup_timeout_s", "flight_recorder", allow_zero=True)
+        check(self.hang_timeout_s >= -1, f"parallel.hang_timeout_s = {self.hang_timeout_s} must be >= 0 (0: off), "
+               f"or -1 for half of parallel.timeout_s")
+        check(self.hang_timeout_s < self.timeout_s, f"parallel.hang_timeout_s = {self.hang_timeout_s} must be "
+               f"shorter than parallel.timeout_s = {self.timeout_s}: the watchdog must see a hang before the "
+               f"collective timeout ends the ranks without a word on who stopped")
+        check(self.startup_timeout_s == 0 or self.startup_timeout_s >= self.hang_timeout_s,
+               f"parallel.startup_timeout_s = {self.startup_timeout_s} must be 0 or at least parallel.hang_timeout_s"
+               f" = {self.hang_timeout_s}")
         check(re.fullmatch(r"[A-Za-z0-9_.:@-]{0,15}", self.interface) is not None, f"parallel.interface = "
                f"{self.interface!r} must be one network interface name (`ip -br addr` lists them), e.g. 'ib0'")
         one_of("parallel", "pp_schedule", self.pp_schedule, PP_SCHEDULES)

@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from hpctrain import mesh, rendezvous, runs
 from hpctrain.config import Config, dump_toml
+from hpctrain.heartbeat import Heartbeat
 from hpctrain.plan import Plan, make_plan
 from hpctrain.preempt import PreemptionFlag, process_flag
+from hpctrain.watchdog import Limits, Peer, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ class Session:
     mesh: mesh.Mesh | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     preempt: PreemptionFlag = field(default_factory=process_flag)  # poll it at step boundaries
+    heartbeat: Heartbeat | None = None  # this rank's step and phase (RUN_DIR/heartbeat/): the payload enters phases
+    watchdog: Watchdog | None = None  # None when parallel.hang_timeout_s = 0
+    hosts: list[str] = field(default_factory=list)  # every rank's host (node name), by rank
 
     @property
     def rank(self) -> int:
@@ -84,8 +89,12 @@ def cpu_threads(ranks_on_host: int) -> int:
 
 
 def _build_mesh(s: Session) -> None:
-    idents: list[Any] = [None] * s.ident.world_size
-    dist.all_gather_object(idents, s.ident)
+    gathered: list[Any] = [None] * s.ident.world_size
+    dist.all_gather_object(gathered, (s.ident, Peer.me(s.rank)))
+    idents = [i for i, _ in gathered]
+    s.hosts = [i.node_name for i in idents]
+    if s.watchdog is not None:
+        s.watchdog.peers = [p for _, p in gathered]  # a hang on a host without a launcher that ends them all
     threads = cpu_threads(sum(i.host == s.ident.host for i in idents))
     torch.set_num_threads(threads)
     s.summary["cpu_threads_per_rank"] = threads
@@ -99,6 +108,8 @@ def _build_mesh(s: Session) -> None:
         for line in mesh.format_rank_map(layout, rows).splitlines():
             log.info("%s", line)
     s.mesh = mesh.build_mesh(layout, node_of_rank, s.device.type)
+    if s.heartbeat is not None:
+        s.heartbeat.set_facts(coords=s.mesh.coords)
     checks = mesh.check_groups(s.mesh, s.rank, s.device)
     s.summary["checks"] = checks
     if not checks["ok"]:
@@ -106,19 +117,30 @@ def _build_mesh(s: Session) -> None:
     log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES))
 
 
-def inject_fault(point: str, rank: int) -> None:
-    """Test hook of the fault campaign (tests/cluster/test_faults_launch.py), read here and nowhere else:
-    HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<point> makes that rank raise, or send itself the signal, at `point`
-    (rendezvous: identity known, before torch.distributed; ready: mesh checked, before the payload)."""
+_faults_said: set[str] = set()
+
+
+def inject_fault(point: str, rank: int, step: int | None = None) -> None:
+    """Test hook of the fault campaign (tests/cluster/test_faults_launch.py, tests/cluster/test_hang.py), read here
+    and nowhere else: HPCTRAIN_FAULT=<action>:<rank>:<point> makes that rank act at `point`. Actions: raise,
+    a signal name (sent to itself: SIGSTOP stops it as a hung node would), sleep<seconds> (a slow rank). Points:
+    rendezvous (identity known, before torch.distributed), ready (mesh checked, before the payload), forward
+    (inside every training step's forward) or forward<N> (only step N's)."""
     spec = os.environ.get("HPCTRAIN_FAULT", "")
     if not spec:
         return
     action, fault_rank, fault_point = spec.split(":")
-    if (int(fault_rank), fault_point) != (rank, point):
+    if int(fault_rank) != rank or fault_point not in (point, f"{point}{step}"):
         return
-    log.warning("HPCTRAIN_FAULT: %s on rank %d at %s", action, rank, point)
+    if spec not in _faults_said:  # a slow rank's sleep comes every step: said once
+        log.warning("HPCTRAIN_FAULT: %s on rank %d at %s", action, rank, point if step is None else
+                    f"{point} of step {step}")
+        _faults_said.add(spec)
     if action == "raise":
         raise RuntimeError(f"HPCTRAIN_FAULT: injected failure on rank {rank} at {point}")
+    if action.startswith("sleep"):
+        time.sleep(float(action[5:]))
+        return
     os.kill(os.getpid(), signal.Signals[action])
 
 
@@ -135,12 +157,18 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
     rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
     p = cfg.parallel
     device = rendezvous.init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rdzv_dir,
-                                         interface=p.interface, connect_timeout_s=p.connect_timeout_s)
+                                         interface=p.interface, connect_timeout_s=p.connect_timeout_s,
+                                         flight_recorder=p.flight_recorder)
     failed = False
     try:
         s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank),
                     preempt=flag)
         runs.setup_logging(s.run_dir, ident.rank)
+        s.heartbeat = Heartbeat(s.run_dir, ident.rank, {"host": ident.host, "node": ident.node_name,
+                                                        "local_rank": ident.local_rank, "job_id": ident.job_id,
+                                                        "launcher": ident.launcher})
+        if p.hang_limits_s is not None:
+            s.watchdog = Watchdog(s.heartbeat, s.run_dir, Limits(*p.hang_limits_s))
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",
                  ident.rank, ident.world_size, ident.node_name, ident.local_rank, ident.node_index,
                  ident.num_nodes, ident.launcher, ident.job_id, device, time.time() - t0)
@@ -157,8 +185,12 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         except Exception as e:
             s.summary["error"] = f"{type(e).__name__}: {e}"
             log.error("%s", s.summary["error"])
+            s.heartbeat.set_facts(error=s.summary["error"][:300])
             raise
         finally:
+            if s.watchdog is not None:
+                s.watchdog.stop()
+            s.heartbeat.close("done" if s.summary["ok"] else "failed")
             if s.mesh is not None and s.mesh.node_checks:  # node groups the payload asked for, checked then
                 s.summary["checks"]["groups"].update(s.mesh.node_checks["groups"])
             s.summary["elapsed_s"] = round(time.time() - t0, 3)

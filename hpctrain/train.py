@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, evaluate, hfconfig, metrics, mutations, optim, preempt, session
+from hpctrain import data, evaluate, hfconfig, metrics, mutations, optim, preempt, session, stragglers
 from hpctrain.checkpoint import hf_import
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.checkpointer import Checkpointer, Progress, Saved
 from hpctrain.config import Config, load_config
 from hpctrain.dtypes import torch_dtype
+from hpctrain.heartbeat import Heartbeat
 from hpctrain.parallel import compose, pipeline
 from hpctrain.plan import with_training
-from hpctrain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,14 @@ class Trainer:
                                           self.device, cfg.train.grad_accum, self._pipeline_loss)
         # None except in tests/multiproc/test_grad_scale_mutations.py
         self.mutation = mutations.gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)
+        # where this rank is (hang forensics) and how long it computed and waited (the straggler report)
+        self.hb = s.heartbeat if s.heartbeat is not None else Heartbeat(None, s.rank)
+        if self.device.type == "cuda":
+            self.hb.device_clock = stragglers.CudaClock()
+        self.stragglers = stragglers.Tally()
+        self._reduction_armed = False
+        if layout.dp > 1 and self.pipe is None:
+            self._mark_gradient_reduction()
         log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
                  "(micro %d x accum %d x dp %d), lr %.3g", self.pm.dims.num_params() / 1e6,
                  self.pm.dims.true_vocab_size, self.pm.dims.vocab_size, cfg.parallel.zero_stage,
@@ -132,20 +140,39 @@ class Trainer:
         """The last stage's loss of one micro-batch; the schedule averages gradients over micro-batches."""
         return self.scaler.scale_loss(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
 
+    def _mark_gradient_reduction(self) -> None:
+        """On the last micro-batch, the backward reaching the embedding's output ends this rank's backward compute:
+        what follows is the gradient reduction across dp (DDP's or FSDP's last buckets, or the coalesced
+        all-reduce), waiting for the slowest dp peer. The heartbeat counts it as wait, not compute."""
+        embedding = next((m for name, m in self.pm.model.named_modules() if name.endswith("tok_embeddings")), None)
+        if embedding is None:
+            return
+
+        def on_forward(module, inputs, out) -> None:
+            if self._reduction_armed and out.requires_grad:
+                out.register_hook(lambda grad: self.hb.enter("collective", "gradient reduction on dp"))
+        embedding.register_forward_hook(on_forward)
+
     def _forward_backward(self) -> torch.Tensor:
         """grad_accum micro-batches through the (unpipelined) model; returns their mean loss. Gradients are reduced
         across dp only after the last micro-batch (nanoGPT's no_sync trick)."""
         accum = self.cfg.train.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         for k in range(accum):
+            self.hb.enter("data")
             x, y = (b.to(self.device, non_blocking=True) for b in self.loader.next_batch())
+            self._reduction_armed = k == accum - 1
             with self._context(k == accum - 1):
+                self.hb.enter("forward", f"micro-batch {k + 1}/{accum}")
+                session.inject_fault("forward", self.s.rank, self.step + 1)
                 with self._autocast():
                     logits = self.model(x)
                 mean = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss = mean / accum
+                self.hb.enter("backward", f"micro-batch {k + 1}/{accum}")
                 self.scaler.scale_loss(mean if self.mutation == "no_accum_div" else loss).backward()
             loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+        self._reduction_armed = False
         return loss_sum
 
     def log_step(self, step: int) -> bool:
@@ -163,19 +190,26 @@ class Trainer:
         t = self.cfg.train
         if sync is None:
             sync = self.sync_steps or self.log_step(self.step + 1)
+        self.hb.begin_step(self.step + 1)
         self.pm.fill()  # never train on unfilled memory (the pipeline's stages do not go through self.model)
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipe is None:
             loss_sum = self._forward_backward()
         else:
+            self.hb.enter("data")
             batches = [self.loader.next_batch() for _ in range(t.grad_accum)]  # every stage reads: same position
+            self.hb.enter("forward", f"pipeline schedule, forward and backward of {t.grad_accum} micro-batches")
+            session.inject_fault("forward", self.s.rank, self.step + 1)
             loss_sum = self.pipe.forward_backward(batches, self._context(True, autocast=True), self.scaler.scale,
                                                   timed=sync)
         if self.mutation in ("dp_sum", "tp_double"):
             mutations.mutate_reduced_grads(self.mutation, self.params, self.s.mesh.layout.dp,
                                            self.s.mesh.group("tp"))
+        self.hb.enter("optimizer", "unscale and finiteness")
         finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
+        self.hb.enter("collective", "gradient norm over the shards")
         norm = optim.grad_norm(self.params, self.pp_group) if finite else torch.full((), float("inf"))
+        self.hb.enter("optimizer")
         if t.grad_clip > 0 and finite:  # a non-finite norm only touches the gradients of a step that is skipped
             optim.clip_grads(self.params, t.grad_clip, norm)
         skipped = self._optimizer_step(norm, finite)
@@ -185,6 +219,7 @@ class Trainer:
         self.scheduler.step()
         self.progress.step += 1
         self.progress.tokens_seen += self.global_batch * self.cfg.data.seq_len
+        self.hb.enter("collective", "all_reduce of the loss on dp")
         dist.all_reduce(loss_sum, group=self.dp_group)  # on the device: no host sync
         # in float64, read or not: the same number as loss_sum.item() / dp
         row = {"step": self.step, "loss": loss_sum.double() / self.s.mesh.layout.dp, "grad_norm": norm, "lr": lr,
@@ -238,12 +273,13 @@ class Trainer:
                       {"scheduler": self.scheduler, "scaler": self.scaler, "data": self.loader},
                       fill=self.pm.fill, loaded=self.pm.loaded)
         return Checkpointer(self.cfg, dataclasses.asdict(self.plan.layout), self.s.run_dir, self.s.rank,
-                            self.device, saved)
+                            self.device, saved, phase=self.hb.enter)
 
     def start(self, ckpt: Checkpointer) -> int | None:
         """The weights training starts from: a checkpoint per train.resume, else train.init_from's Hugging Face
         directory, else the seeded init (before the peak memory is reset). Returns the step resumed from, None
         for a fresh start. init_from never overrides a resume: a requeued job goes on from its own checkpoint."""
+        self.hb.enter("checkpoint", "resume")
         resumed = ckpt.load()
         hf = hfconfig.hf_dir(self.cfg.train.init_from)
         if hf is not None and resumed is None:
@@ -270,8 +306,8 @@ class Trainer:
         """Trains from where train.resume says to train.steps, checkpointing per the checkpoint config; a
         preemption (any rank's signal) ends it early with a committed checkpoint and a requeue. Returns the
         run's summary. Waits for its own saves. on_step(row) sees every step's row as train_step returns it
-        (device values except on log steps), before the step's checkpoint decision."""
-        dog = None
+        (device values except on log steps), before the step's checkpoint decision. The heartbeat follows every
+        phase, so the session's watchdog ends a hung job with every live rank's stacks."""
         try:
             with self.checkpointer() as ckpt:
                 resumed = self.start(ckpt)
@@ -280,39 +316,52 @@ class Trainer:
                 tlog = metrics.TrainLog(self.s.run_dir, self.s.rank, self.cfg.train.steps, self.device,
                                         self.pm.dims.flops_per_token(self.cfg.data.seq_len), dist.get_world_size(),
                                         peak, gemm, self.tokens_seen, self.cfg.train.profile_steps)
+                if self.s.watchdog is not None:  # the first step compiles, allocates, sets up NCCL: the long limit
+                    self.s.watchdog.long_until(self.step + 1)
+                self.hb.begin_step(self.step)
+                self.hb.take_times()  # the straggler report counts training steps only
                 # the flag was installed at process start: a signal during start-up or the resume stops here
+                self.hb.enter("collective", "preemption poll on the world")
                 preempted = self.s.preempt.poll(self.device)
                 self.sync_steps = False  # the host reads the device on log steps only
-                dog = Watchdog(self.cfg.parallel.timeout_s + 60)  # a hang no collective timeout ends, ends the job
                 while self.step < self.cfg.train.steps and not preempted:
                     row = self.train_step()
-                    tlog.step(row, self.tokens_seen, self.log_step(self.step))
+                    logged = self.log_step(self.step)
+                    tlog.step(row, self.tokens_seen, logged, self._rank_times() if logged else None)
                     if on_step is not None:
                         on_step(row)
+                    self.hb.enter("collective", "preemption poll on the world")
                     preempted = self.s.preempt.poll(self.device)
                     ev = self.evaluator
                     if ev is not None and not preempted and ev.due(self.step, self.cfg.train.steps):
-                        dog.beat()
+                        self.hb.enter("eval")
                         tlog.eval(self.evaluate())
-                    dog.beat()
+                    self.hb.enter("collective", "checkpoint requests on the world")
                     ckpt.maybe_save(self.step, force=preempted)
-                    dog.beat()
-                dog.stop()  # the final save's collectives have their own timeout, and it may take long
                 losses = tlog.close()
                 if not preempted:
                     ckpt.maybe_save(self.step, final=True)
         finally:
-            if dog is not None:
-                dog.stop()
             self.loader.close()  # the read-ahead thread; it rewinds to the consumed batches, so stepping on is fine
             self.sync_steps = True
         return self._summary(resumed, preempted, losses, tlog.last, peak, gemm, memory)
+
+    def _rank_times(self) -> dict[str, Any]:
+        """The straggler report of the steps since the previous log step (collective: every rank, log steps)."""
+        self.hb.enter("collective", "straggler report on the world")
+        times = stragglers.gather_times(self.hb, self.device)
+        layout = self.s.mesh.layout
+        stage = [layout.coords(r)["pp"] for r in range(layout.world_size)]
+        report = stragglers.find_stragglers(times, self.s.hosts or ["?"] * len(times), stage,
+                                            self.cfg.train.straggler_margin)
+        self.stragglers.add(report)
+        return report
 
     def _summary(self, resumed, preempted, losses, last, peak, gemm, memory) -> dict[str, Any]:
         out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
                "peak_tflops": peak.tflops, "peak_source": peak.source, "gemm": gemm, "tf32": self.tf32,
                "memory": memory, "tokens_seen": self.tokens_seen, "resumed_from": resumed, "preempted": preempted,
-               "losses": losses}
+               "losses": losses, "stragglers": self.stragglers.summary()}
         if self.evaluator is not None:
             out["val_losses"] = self.evaluator.done
             out["val_loss"] = self.evaluator.done[-1][1] if self.evaluator.done else None

@@ -1,49 +1,205 @@
-"""A step watchdog: a rank whose training loop makes no progress for `limit_s` dumps every thread's stack to its
-log and ends the whole launch (MPI_Abort under MPI, else exit 1).
+"""The hang watchdog: a thread per rank that watches the rank's heartbeat. When the rank makes no progress (no phase
+change) for longer than its phase allows, it writes what it knows into RUN_DIR/hang/ and ends the whole job.
 
-Why: gloo's collective timeout covers c10d calls, but a DTensor functional collective (e.g. the partial-norm
-reduction inside the gradient norm under tensor parallel) was seen waiting past it for good when a peer was
-stopped (SIGSTOP), so the job would have held its nodes until the time limit.
-
-    dog = Watchdog(limit_s)    # a daemon thread
-    dog.beat()                 # after every step
+    dog = Watchdog(hb, run_dir, Limits(step_s=180, long_s=1200), peers)  # a daemon thread; session.start does it
+    dog.long_until(step + 1)   # up to this step the long limit holds (the first step compiles, sets up NCCL)
     dog.stop()
+
+Limits: step phases (data, forward, backward, optimizer, collective) get parallel.hang_timeout_s; start-up,
+checkpoints, evaluation and the first step get parallel.startup_timeout_s. Both are shorter than the collective
+timeout (parallel.timeout_s), so the watchdog speaks first, while every rank is still alive to be asked.
+
+What a hang leaves, per live rank:
+    hang/rank00003.txt      every thread's Python stack (faulthandler: works while the main thread holds the GIL)
+                            under a header: rank, host, step, phase, why
+    hang/rank00003.fr.json  torch's flight recorder (parallel.flight_recorder entries; gloo and NCCL): the
+                            collectives in flight, per group, with their sequence numbers
+The first rank to trip also writes hang/request; every other rank's watchdog sees it within a poll and dumps too
+(it may still be computing, or waiting in a collective a stopped peer never joins). Then each waits a grace period
+for the others' dumps and ends itself through the launch's abort path: submitit's error result, MPI_Abort (every
+rank of an MPI launch), else the peers on its own host that never dumped (stopped, or stuck in the kernel) are
+killed and the rank exits 1 (srun --kill-on-bad-exit ends the rest). `hpctrain diagnose RUN_DIR` reads it all.
+
+Why a thread of our own: gloo's collective timeout covers c10d calls, but a DTensor functional collective was seen
+waiting past it when a peer was stopped, and a collective timeout names nobody.
 """
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpctrain import rendezvous
+from hpctrain.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
+LONG_PHASES = frozenset({"startup", "checkpoint", "eval"})
+REQUEST = "request"
+
+
+@dataclass(frozen=True)
+class Limits:
+    step_s: float  # parallel.hang_timeout_s: no phase change within a step for this long is a hang
+    long_s: float  # parallel.startup_timeout_s: start-up, the first step, checkpoints, evaluation
+
+    @property
+    def poll_s(self) -> float:
+        """How often the thread looks: a tenth of the step limit, between 0.2 and 5 s (on a shared file system
+        each look is one stat of hang/request per rank)."""
+        return min(5.0, max(0.2, self.step_s / 10))
+
+    @property
+    def grace_s(self) -> float:
+        """How long a rank that dumped waits for the others' dumps before ending itself."""
+        return 2 * self.poll_s + 3.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A rank of the job as its own process saw itself at start: enough to end it safely from its host."""
+    rank: int
+    host: str
+    pid: int
+    start_ticks: int  # /proc/<pid>/stat field 22: a reused pid has another
+
+    @staticmethod
+    def me(rank: int) -> Peer:
+        return Peer(rank, socket.gethostname(), os.getpid(), process_start(os.getpid()) or 0)
+
+
+def process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def hang_path(run_dir: Path, rank: int, suffix: str = ".txt") -> Path:
+    return Path(run_dir) / "hang" / f"rank{rank:05d}{suffix}"
+
 
 class Watchdog:
-    def __init__(self, limit_s: float) -> None:
-        self.limit_s = limit_s
-        self.last = time.monotonic()
+    def __init__(self, hb: Heartbeat, run_dir: str | Path, limits: Limits, peers: list[Peer] | None = None) -> None:
+        self.hb, self.limits = hb, limits
+        self.run_dir = Path(run_dir)
+        self.peers = peers or []
+        self.long_until_step = 1  # steps up to this one (and start-up before them) have the long limit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self) -> None:
-        self.last = time.monotonic()
+    def long_until(self, step: int) -> None:
+        self.long_until_step = step
 
     def stop(self) -> None:
         self._stop.set()
 
+    def limit(self) -> tuple[float, str]:
+        """The current phase's limit and the setting it comes from."""
+        if self.hb.phase in LONG_PHASES or self.hb.step <= self.long_until_step:
+            return self.limits.long_s, "parallel.startup_timeout_s"
+        return self.limits.step_s, "parallel.hang_timeout_s"
+
     def _watch(self) -> None:
-        while not self._stop.wait(min(5.0, self.limit_s / 4)):
-            idle = time.monotonic() - self.last
-            if idle > self.limit_s:
-                log.error("no training progress for %.0f s (limit %.0f s: parallel.timeout_s + 60): a peer is "
-                          "stuck or stopped; stacks follow, then the launch is ended", idle, self.limit_s)
-                for h in logging.getLogger().handlers:
-                    h.flush()
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                from hpctrain import rendezvous
-                rendezvous.abort_launch(1)  # returns without MPI
-                os._exit(1)
+        request = self.run_dir / "hang" / REQUEST
+        flushed = time.monotonic()
+        while not self._stop.wait(self.limits.poll_s):
+            now = time.monotonic()
+            if now - flushed >= 5.0:
+                self.hb.flush()
+                flushed = now
+            limit, setting = self.limit()
+            idle = now - self.hb.since
+            if idle > limit:
+                self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} (limit {limit:g} s: {setting})", True)
+            elif request.exists():
+                self._hang(f"asked by another rank's watchdog ({request})", False)
+
+    def _hang(self, reason: str, first: bool) -> None:
+        t0 = time.monotonic()
+        hb = self.hb
+        where = f"step {hb.step}, phase {hb.phase}" + (f" ({hb.detail})" if hb.detail else "")
+        log.error("hang: %s at %s; stacks and the flight recorder go to %s, then the job ends", reason, where,
+                  self.run_dir / "hang")
+        try:
+            (self.run_dir / "hang").mkdir(exist_ok=True)
+            if first:
+                request = self.run_dir / "hang" / REQUEST
+                request.write_text(json.dumps({"rank": hb.rank, "reason": reason, "wall": time.time()}) + "\n")
+            dump_stacks(hang_path(self.run_dir, hb.rank), hb, reason, time.monotonic() - hb.since)
+            dump_flight_recorder(hang_path(self.run_dir, hb.rank, ".fr.json"))
+        except OSError as e:  # a full or vanished file system must not keep the job alive
+            log.error("hang dump of rank %d failed: %s", hb.rank, e)
+        hb.flush()
+        for h in logging.getLogger().handlers:
+            h.flush()
+        message = (f"hang on rank {hb.rank}: {reason} at {where}; see {self.run_dir / 'hang'} and run "
+                   f"`hpctrain diagnose {self.run_dir}`")
+        self._stop.wait(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))
+        end_job(self.peers, self.run_dir, message)
+
+
+def dump_stacks(path: Path, hb: Heartbeat, reason: str, idle_s: float) -> None:
+    """Every thread's stack into `path`, under a header a reader (hpctrain diagnose) can parse."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    with path.open("w") as f:
+        header = {"rank": hb.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": hb.step,
+                  "phase": hb.phase, "detail": hb.detail, "idle_s": round(idle_s, 1), "reason": reason,
+                  "wall": round(time.time(), 3), "threads": {f"0x{k:016x}": v for k, v in names.items() if k}}
+        f.write("# hpctrain hang dump " + json.dumps(header) + "\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+def dump_flight_recorder(path: Path) -> bool:
+    """torch's flight recorder as JSON into `path` ({"fr": gloo and other host-side groups, "nccl": NCCL's});
+    False when this torch has none or it was off (parallel.flight_recorder = 0)."""
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return False
+    out: dict[str, Any] = {}
+    for key, name in (("fr", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json")):
+        fn = getattr(c10d, name, None)  # NCCL's exists in CUDA builds only
+        if fn is None:
+            continue
+        try:
+            out[key] = json.loads(fn(True, False))
+        except Exception as e:  # noqa: BLE001 - a failed dump must never stop the rest of the hang path
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+    if not out:
+        return False
+    path.write_text(json.dumps(out) + "\n")
+    return True
+
+
+def end_job(peers: list[Peer], run_dir: Path, message: str) -> None:
+    """The abort path of a hang, as of any failed rank: submitit's error result (`submit --wait` reports it), then
+    MPI_Abort under MPI (returns without MPI), else the same-host peers that left no dump are killed (a stopped
+    rank would otherwise outlive the job where no launcher ends it), then exit 1."""
+    print(f"hpctrain: {message}", file=sys.stderr, flush=True)
+    rendezvous.leave_task_error(message)
+    rendezvous.abort_launch(1)
+    host, me = socket.gethostname(), os.getpid()
+    for p in peers:
+        if p.host == host and p.pid != me and not hang_path(run_dir, p.rank).exists() \
+                and process_start(p.pid) == p.start_ticks:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+                log.error("killed rank %d (pid %d), which left no hang dump", p.rank, p.pid)
+            except OSError:
+                pass
+    logging.shutdown()
+    os._exit(1)

@@ -71,10 +71,12 @@ class Saved:
 
 class Checkpointer:
     def __init__(self, cfg: Config, layout: dict[str, int], run_dir: Path, rank: int, device: torch.device,
-                 saved: Saved) -> None:
+                 saved: Saved, phase: Callable[[str, str], Any] = lambda phase, detail: None) -> None:
         """Collective: rank 0 takes the checkpoint directory's lock; the hosts of the provenance are gathered
-        once here, not at every save."""
+        once here, not at every save. phase(name, detail) is told when a save or its wait begins (the trainer's
+        heartbeat: the hang watchdog gives checkpoints the long limit)."""
         self.cfg, self.run_dir, self.rank, self.device, self.saved = cfg.checkpoint, Path(run_dir), rank, device, saved
+        self.phase = phase
         self.resume, self.total_steps = cfg.train.resume, cfg.train.steps
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.mgr = CheckpointManager(self.cfg, self.run_dir, rank)
@@ -133,6 +135,7 @@ class Checkpointer:
         checkpoint.async_save; a periodic save that finds no space is skipped with a warning (earlier
         checkpoints stay), while a forced or final one raises NoSpace."""
         if force or final:
+            self.phase("checkpoint", f"save of step {step}")
             self.mgr.wait()
             if final and not (self.cfg.at_end and step > (self.loaded_step or 0)):
                 return False
@@ -140,10 +143,12 @@ class Checkpointer:
             return True
         save_now, writing = self._requests()
         if self.mgr.pending is not None and not writing:
+            self.phase("checkpoint", "commit of a background save")
             self.mgr.wait()  # every rank's background write is done: commit now, not at the next save
         every = self.cfg.every_steps
         if not ((every and step % every == 0 and step < self.total_steps) or save_now):
             return False
+        self.phase("checkpoint", f"save of step {step}")
         try:
             self._save(step, asynchronous=self.cfg.async_save)
         except NoSpace as e:

@@ -25,7 +25,7 @@ LEVELS: list[list[str]] = [
     ["hfconfig", "cliutil", "sections"],
     # 1: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
     # nothing of hpctrain
-    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "parallel/__init__",
+    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "heartbeat", "parallel/__init__",
      "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
      "checkpoint/index"],
     # 2: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
@@ -34,12 +34,13 @@ LEVELS: list[list[str]] = [
      "checkpoint/lock"],
     # 3: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
     # single-device model; what checkpoints cost
-    ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing", "databuild"],
+    ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing", "databuild", "watchdog",
+     "stragglers"],
     # 4: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
      "planner/peak", "tokenized", "blend"],
     # 5: what the trainer is made of
-    ["watchdog", "session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
+    ["session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
     # 6
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search",
@@ -49,9 +50,9 @@ LEVELS: list[list[str]] = [
     # 8: a run's checkpoint policy
     ["checkpoint/checkpointer"],
     # 9: the jobs (what one rank runs) and the login-node readers
-    ["train", "benchjob", "checkpoint/inspection", "plot"],
+    ["train", "benchjob", "checkpoint/inspection", "plot", "diagnose"],
     # 10: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export
-    ["launch", "checkpoint/hf", "cli_data"],
+    ["launch", "checkpoint/hf", "cli_data", "cli_diagnose"],
     # 11: the `hpctrain` command
     ["cli"],
 ]
