@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 import shutil
