@@ -41,6 +41,7 @@ def ends_launch_on_error(fn):
             return fn(*args, **kwargs)
         except (Exception, KeyboardInterrupt) as e:
             from hpctrain import rendezvous
+            rendezvous.wait_if_ending()  # the hang watchdog is ending the job: its dumps come first
             if not rendezvous.mpi_running():
                 raise
             trace = traceback.format_exc()

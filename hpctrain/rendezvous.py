@@ -51,6 +51,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -170,6 +171,17 @@ def mpi_running() -> bool:
     """MPI was started in this process (identify() under MPI) and is not finalized yet."""
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+
+
+# Set by the hang watchdog (hpctrain/watchdog.py) while it ends the job: a failure of the main thread meanwhile
+# (a collective timing out during the watchdog's grace period) leaves the ending to it, so every rank dumps first.
+ENDING = threading.Event()
+
+
+def wait_if_ending(limit_s: float = 120.0) -> None:
+    """Called on a failure path before it ends the launch: waits while the hang watchdog ends it instead."""
+    if ENDING.is_set():
+        time.sleep(limit_s)
 
 
 def leave_task_error(trace: str) -> None:

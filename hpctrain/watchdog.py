@@ -129,6 +129,7 @@ class Watchdog:
 
     def _hang(self, reason: str, first: bool) -> None:
         t0 = time.monotonic()
+        rendezvous.ENDING.set()  # from here this thread ends the job; the main thread's failures wait for it
         hb = self.hb
         where = f"step {hb.step}, phase {hb.phase}" + (f" ({hb.detail})" if hb.detail else "")
         log.error("hang: %s at %s; stacks and the flight recorder go to %s, then the job ends", reason, where,
@@ -147,7 +148,7 @@ class Watchdog:
             h.flush()
         message = (f"hang on rank {hb.rank}: {reason} at {where}; see {self.run_dir / 'hang'} and run "
                    f"`hpctrain diagnose {self.run_dir}`")
-        self._stop.wait(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))
+        time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))  # not stop(): the job is ending
         end_job(self.peers, self.run_dir, message)
 
 
@@ -155,7 +156,8 @@ def dump_stacks(path: Path, hb: Heartbeat, reason: str, idle_s: float) -> None:
     """Every thread's stack into `path`, under a header a reader (hpctrain diagnose) can parse."""
     names = {t.ident: t.name for t in threading.enumerate()}
     with path.open("w") as f:
-        header = {"rank": hb.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": hb.step,
+        header = {"rank": hb.rank, "host": socket.gethostname(), "node": hb.facts.get("node"), "pid": os.getpid(),
+                  "step": hb.step,
                   "phase": hb.phase, "detail": hb.detail, "idle_s": round(idle_s, 1), "reason": reason,
                   "wall": round(time.time(), 3), "threads": {f"0x{k:016x}": v for k, v in names.items() if k}}
         f.write("# hpctrain hang dump " + json.dumps(header) + "\n")

@@ -85,7 +85,10 @@ def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_grou
                 allreduce_grads(model, dp_group)
         return model, allreduce_after
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(model, process_group=dp_group, gradient_as_bucket_view=True,
+    # broadcast_buffers=False: the only buffers are the RoPE tables, computed alike on every rank; DDP's default
+    # broadcast them from dp rank 0 at every forward, a collective per micro-batch for nothing (and one that made
+    # dp rank 0 wait inside its forward for a slow peer)
+    ddp = DDP(model, process_group=dp_group, gradient_as_bucket_view=True, broadcast_buffers=False,
               device_ids=[device.index] if device.type == "cuda" else None)
     if compress_bf16:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

@@ -1,0 +1,218 @@
+"""Heartbeats, the hang watchdog in one process, and the straggler arithmetic (issue 17).
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_heartbeat.py
+
+The heartbeat must say where a rank was even when the rank cannot speak: a process that stops itself (SIGSTOP)
+or is killed (SIGKILL) inside a phase leaves that phase readable. The watchdog must trip on a stale phase (and
+not on a long phase within its long limit), dump stacks that `diagnose` can parse, and answer another rank's
+request. The multi-rank and launcher cases are in tests/multiproc/test_hang_local.py and tests/cluster/test_hang.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain import diagnose, heartbeat, stragglers, watchdog
+from hpctrain.config import load_config
+from hpctrain.heartbeat import FILE_BYTES, Heartbeat
+
+from helpers import REPO
+
+
+def test_round_trip_and_facts(tmp_path) -> None:
+    hb = Heartbeat(tmp_path, 5, {"host": "h1", "node": "n2"})
+    hb.begin_step(812)
+    hb.enter("forward", "micro-batch 2/4")
+    hb.set_facts(coords={"pp": 0, "dp": 1, "tp": 1})
+    got = heartbeat.read(heartbeat.heartbeat_path(tmp_path, 5))
+    assert got["rank"] == 5 and got["node"] == "n2" and got["pid"] == os.getpid()
+    assert (got["step"], got["phase"], got["detail"]) == (812, "forward", "micro-batch 2/4")
+    assert got["coords"] == {"pp": 0, "dp": 1, "tp": 1} and abs(got["wall"] - time.time()) < 5
+    hb.close("failed")
+    assert heartbeat.read(hb.path)["phase"] == "failed"
+
+
+def test_damaged_files_are_refused(tmp_path) -> None:
+    hb = Heartbeat(tmp_path, 0, {"node": "n1"})
+    hb.enter("backward", "x")
+    path = hb.path
+    raw = bytearray(path.read_bytes())
+    i = raw.index(b".") + 1  # a digit of the wall time changed: the line still parses, its crc does not match
+    raw[i] = ord("9") if raw[i] != ord("9") else ord("8")
+    path.write_bytes(bytes(raw))
+    assert "torn or damaged" in heartbeat.read(path)["error"]
+    path.write_bytes(b"x" * (FILE_BYTES + 1))
+    assert "not a 1024-byte" in heartbeat.read(path)["error"]
+    link = tmp_path / "heartbeat" / "rank00001.hb"
+    link.symlink_to(path)
+    assert "error" in heartbeat.read(link)
+    long = Heartbeat(tmp_path / "b", 2, {"node": "n"})
+    long.set_facts(error="E" * 5000)  # a long error message is shortened, not refused
+    assert heartbeat.read(long.path)["error"].startswith("EEE")
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_last_phase_outlives_the_process(tmp_path, sig) -> None:
+    """The mapped page belongs to the kernel: a rank killed or stopped inside forward still reads as there."""
+    code = ("import os, signal, sys\nfrom hpctrain.heartbeat import Heartbeat\n"
+            "hb = Heartbeat(sys.argv[1], 3, {'node': 'n9'})\nhb.begin_step(7)\nhb.enter('forward', 'micro-batch 2/4')\n"
+            f"os.kill(os.getpid(), signal.{sig})\nhb.enter('backward')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO)
+    try:
+        if sig == "SIGKILL":
+            proc.wait(timeout=60)
+        else:
+            t0 = time.monotonic()
+            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() - t0 < 60, "the process never stopped"
+                time.sleep(0.02)
+        got = heartbeat.read(heartbeat.heartbeat_path(tmp_path, 3))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (got["step"], got["phase"], got["detail"], got["node"]) == (7, "forward", "micro-batch 2/4", "n9")
+
+
+def test_compute_and_wait_times(monkeypatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    hb = Heartbeat(None, 0)
+    for phase, seconds in [("forward", 2.0), ("backward", 3.0), ("collective", 4.0), ("optimizer", 1.0)]:
+        hb.enter(phase)
+        clock[0] += seconds
+    assert hb.take_times() == (6.0, 4.0)  # the startup phase before forward took no time
+    clock[0] += 0.5  # still in optimizer
+    hb.enter("collective")
+    clock[0] += 2.0
+    assert hb.take_times() == (0.5, 2.0)
+
+
+class _Ended(Exception):
+    pass
+
+
+def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int = 5):
+    ended: list[str] = []
+    monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
+    hb = Heartbeat(tmp_path, 2, {"node": "n1"})
+    hb.begin_step(step)
+    hb.enter(phase, "all_reduce of the loss on dp" if phase == "collective" else "")
+    return watchdog.Watchdog(hb, tmp_path, limits), hb, ended
+
+
+def test_watchdog_trips_on_a_stale_phase(tmp_path, monkeypatch) -> None:
+    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.5, long_s=30), "collective")
+    dog.long_until(1)
+    t0 = time.monotonic()
+    while not ended:
+        assert time.monotonic() - t0 < 20, "the watchdog never tripped"
+        time.sleep(0.05)
+    dog.stop()
+    assert "hang on rank 2: no progress" in ended[0] and "parallel.hang_timeout_s" in ended[0]
+    request = json.loads((tmp_path / "hang" / "request").read_text())
+    assert request["rank"] == 2 and "no progress" in request["reason"]
+    header, frames = diagnose.parse_dump(watchdog.hang_path(tmp_path, 2).read_text())
+    assert (header["step"], header["phase"], header["node"]) == (5, "collective", "n1")
+    assert header["threads"] and any("test_heartbeat.py" in f for f in frames), frames  # the main thread's stack
+
+
+def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch) -> None:
+    limits = watchdog.Limits(step_s=0.3, long_s=60)
+    dog, hb, ended = _dog(tmp_path, monkeypatch, limits, "checkpoint")
+    try:
+        assert dog.limit() == (60, "parallel.startup_timeout_s")
+        hb.enter("forward")
+        dog.long_until(5)
+        assert dog.limit()[0] == 60  # step 5 is the first after the start: compile, NCCL set-up
+        hb.begin_step(6)
+        assert dog.limit() == (0.3, "parallel.hang_timeout_s")
+        hb.enter("eval")
+        assert dog.limit()[0] == 60
+        time.sleep(1.5)  # well past the step limit, in a long phase
+        assert not ended
+    finally:
+        dog.stop()
+
+
+def test_watchdog_answers_another_ranks_request(tmp_path, monkeypatch) -> None:
+    """A rank that is not stale itself dumps when another rank's watchdog asks."""
+    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=60, long_s=60), "forward")
+    (tmp_path / "hang").mkdir(exist_ok=True)
+    (tmp_path / "hang" / "request").write_text('{"rank": 0}\n')
+    t0 = time.monotonic()
+    while not ended:
+        assert time.monotonic() - t0 < 30, "the request was never answered"
+        time.sleep(0.05)
+    dog.stop()
+    assert "asked by another rank" in ended[0]
+    assert watchdog.hang_path(tmp_path, 2).exists()
+
+
+def test_peer_kill_needs_the_same_process(tmp_path, monkeypatch) -> None:
+    """end_job kills only same-host peers that left no dump and are still the process they were at start."""
+    code = "import time; time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    dumped = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        start = watchdog.process_start(proc.pid)
+        me = watchdog.Peer.me(0)
+        peers = [me, watchdog.Peer(1, me.host, proc.pid, start), watchdog.Peer(2, me.host, dumped.pid,
+                 watchdog.process_start(dumped.pid)), watchdog.Peer(3, me.host, os.getpid(), start + 1)]
+        (tmp_path / "hang").mkdir()
+        watchdog.hang_path(tmp_path, 2).write_text("dumped")
+        monkeypatch.setattr(watchdog.os, "_exit", lambda code: (_ for _ in ()).throw(_Ended(code)))
+        monkeypatch.setattr(watchdog.logging, "shutdown", lambda: None)
+        with pytest.raises(_Ended):
+            watchdog.end_job(peers, tmp_path, "test")
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert dumped.poll() is None  # it dumped: it ends itself
+    finally:
+        for p in (proc, dumped):
+            p.kill()
+            p.wait()
+
+
+def test_config_limits() -> None:
+    cfg = load_config(None, ["parallel.timeout_s=300"])
+    assert cfg.parallel.hang_limits_s == (150, 1200)
+    assert load_config(None, ["parallel.timeout_s=3600"]).parallel.hang_limits_s == (300, 1200)
+    assert load_config(None, ["parallel.hang_timeout_s=0"]).parallel.hang_limits_s is None
+    assert load_config(None, ["parallel.hang_timeout_s=20", "parallel.startup_timeout_s=0"]
+                       ).parallel.hang_limits_s == (20, 20)
+    for bad, words in [(["parallel.timeout_s=60", "parallel.hang_timeout_s=60"], "shorter than parallel.timeout_s"),
+                       (["parallel.hang_timeout_s=-2"], "hang_timeout_s = -2"),
+                       (["parallel.hang_timeout_s=100", "parallel.startup_timeout_s=50"], "startup_timeout_s = 50"),
+                       (["parallel.flight_recorder=-1"], "flight_recorder"),
+                       (["train.straggler_margin=0"], "straggler_margin")]:
+        with pytest.raises(ValueError, match=words):
+            load_config(None, bad)
+
+
+def test_find_stragglers_per_stage() -> None:
+    # ranks 0-3 stage 0, 4-7 stage 1 (the last stage computes more by design: not a straggler)
+    compute = [1.0, 1.02, 1.9, 0.98, 1.5, 1.52, 1.49, 1.51]
+    times = [(c, 2.0 - c) for c in compute]
+    hosts = ["n1"] * 4 + ["n2"] * 4
+    rep = stragglers.find_stragglers(times, hosts, [0] * 4 + [1] * 4, margin=0.2)
+    assert [r["rank"] for r in rep["slow"]] == [2] and rep["hosts"] == ["n1"]
+    assert rep["slow"][0]["excess"] == pytest.approx(1.9 / 1.01 - 1, abs=1e-3)
+    assert stragglers.describe(rep) == "slow: rank 2 (n1) +88%"
+    # the last stage computes more: against one median for all it would be named, against its own it is not
+    uneven = [(1.0, 0.5)] * 6 + [(1.5, 0.0)] * 2
+    assert {r["rank"] for r in stragglers.find_stragglers(uneven, hosts, [0] * 8, 0.2)["slow"]} == {6, 7}
+    assert stragglers.find_stragglers(uneven, hosts, [0] * 6 + [1] * 2, 0.2)["slow"] == []
+    assert stragglers.find_stragglers([(1.0, 0.0)], ["n1"], [0], 0.2)["slow"] == []
+    tally = stragglers.Tally()
+    tally.add(rep)
+    tally.add(rep)
+    tally.add(stragglers.find_stragglers([(1.0, 0)] * 8, hosts, [0] * 8, 0.2))
+    s = tally.summary()
+    assert s["log_intervals"] == 3 and s["ranks"][0]["rank"] == 2 and s["ranks"][0]["intervals"] == 2
+    assert s["hosts"] == [{"host": "n1", "intervals": 2}]
