@@ -3,9 +3,10 @@
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/test_faults_launch.py
 
 Real processes under `mpiexec -n 2` (the mpich wheel) and on the local Slurm cluster. Faults come from outside
-(SIGSTOP / SIGKILL to a rank's pid, found by its launcher's environment in /proc) or from the hidden hook
+(SIGKILL to a rank's pid, found by its launcher's environment in /proc) or from the hidden hook
 HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<rendezvous|ready> (hpctrain/session.py). Each test records its fault and
-the time until every rank was gone (tests/faults.py).
+the time until every rank was gone (tests/faults.py). Ranks stopped or asleep inside a step are the hang
+watchdog's: tests/cluster/test_hang.py and tests/multiproc/test_hang_local.py.
 """
 from __future__ import annotations
 
@@ -15,17 +16,18 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from faults import record
+from launches import Launch, mpi_train, rank_pids, wait_for_pids, wait_gone
+from launches import sets as _sets
 
-from helpers import EXAMPLE, REPO, env_with_venv, tool
+from helpers import EXAMPLE, REPO, tool
 
 pytestmark = pytest.mark.faults
-TIMEOUT_S = 8  # parallel.timeout_s of the MPI runs: a collective with a stopped peer gives up after this
+TIMEOUT_S = 8  # parallel.timeout_s of the MPI runs (the hang watchdog speaks after half of it)
 # a model small enough that a step takes milliseconds, on generated tokens (no data file needed)
 SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.log_every=1", "train.steps=100000",
          "checkpoint.at_end=false"]
@@ -49,123 +51,25 @@ def _no_leftover_shm():
             left.unlink(missing_ok=True)
 
 
-def _sets(*sets: str) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
-
-
-def _rank_pids(env_key: bytes, marker: str) -> dict[int, int]:
-    """{rank: pid} of the processes whose command line contains `marker` (the run root) and whose environment
-    holds env_key (PMI_RANK, SLURM_PROCID); we are root or the same user, so /proc shows them."""
-    found = {}
-    for env_file in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            cmdline = (env_file.parent / "cmdline").read_bytes()
-            env = env_file.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        argv = cmdline.split(b"\0")
-        if marker.encode() not in cmdline or not Path(argv[0].decode(errors="replace")).name.startswith("python"):
-            continue  # srun and mpiexec carry the run root in their command lines too
-        for item in env:
-            if item.startswith(env_key + b"="):
-                found[int(item.split(b"=", 1)[1])] = int(env_file.parent.name)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running, sleeping or stopped; a zombie has ended."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _wait_gone(pids: list[int], deadline_s: float) -> float | None:
-    """Seconds until none of pids is alive, or None if some still are after deadline_s."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
-        if not any(_alive(p) for p in pids):
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    return None
-
-
-class Launch:
-    """A launcher command in its own session; its output lines are collected by a thread."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env_with_venv() | (env or {}), cwd=REPO, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self._reader.start()
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout_s: float) -> None:
-        t0 = time.monotonic()
-        while not re.search(pattern, self.output):
-            if time.monotonic() - t0 > timeout_s or self.proc.poll() is not None:
-                time.sleep(0.5)
-                raise AssertionError(f"never saw {pattern!r} (exit {self.proc.poll()}):\n{self.output[-4000:]}")
-            time.sleep(0.05)
-
-    def kill(self, pids: list[int]) -> None:
-        """Cleanup: SIGKILL works on stopped processes too."""
-        for pid in [*pids, self.proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        self.proc.wait(timeout=30)
-        self._reader.join(10)  # the whole output, up to the launcher's exit
-
-
 def _mpi_train(root: Path, *sets: str) -> list[str]:
-    return [tool("mpiexec"), "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", str(EXAMPLE),
-            *_sets(f"job.run_root={root}", f"parallel.timeout_s={TIMEOUT_S}", *SMALL, *sets)]
+    return mpi_train(root, 2, f"parallel.timeout_s={TIMEOUT_S}", *SMALL, *sets)
 
 
-def _fault_at_step(tmp_path: Path, sig: signal.Signals) -> tuple[float | None, Launch]:
-    """mpiexec -n 2 training; `sig` to rank 1 once rank 0 has logged step 2. Returns the seconds until both
-    ranks and mpiexec were gone (None: still there after the collective timeout + 20 s)."""
+@pytest.mark.mpi
+def test_killed_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
+    """SIGKILL of rank 1 once rank 0 has logged step 2: mpiexec ends rank 0 (a stopped or sleeping rank is the
+    hang watchdog's: tests/cluster/test_hang.py)."""
     root = tmp_path / "runs"
     launch = Launch(_mpi_train(root))
     pids: dict[int, int] = {}
     try:
         launch.wait_for(r"step 2/", 120)
-        pids = _rank_pids(b"PMI_RANK", str(root))
+        pids = rank_pids(b"PMI_RANK", str(root))
         assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], sig)
-        gone = _wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S + 20)
+        os.kill(pids[1], signal.SIGKILL)
+        gone = wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S + 20)
     finally:
         launch.kill(list(pids.values()))
-    return gone, launch
-
-
-@pytest.mark.mpi
-def test_stopped_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
-    """A peer stopped mid-training: rank 0's collective times out after parallel.timeout_s, and then every rank
-    must go (MPI_Abort), not wait in MPI_Finalize for the stopped one until the job's time limit."""
-    gone, launch = _fault_at_step(tmp_path, signal.SIGSTOP)
-    assert gone is not None, f"ranks still alive {TIMEOUT_S + 20} s after SIGSTOP:\n{launch.output[-3000:]}"
-    assert gone < TIMEOUT_S + 10 and launch.proc.returncode != 0
-    assert "Timed out waiting" in launch.output and "MPI_Abort" in launch.output
-    record("SIGSTOP of rank 1 during training (mpiexec -n 2)",
-           f"rank 0's collective times out ({TIMEOUT_S} s), MPI_Abort ends both ranks, exit non-zero", gone, "mpi")
-
-
-@pytest.mark.mpi
-def test_killed_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
-    gone, launch = _fault_at_step(tmp_path, signal.SIGKILL)
     assert gone is not None and gone < 10, f"ranks alive {gone} s after SIGKILL:\n{launch.output[-3000:]}"
     assert launch.proc.returncode != 0
     record("SIGKILL of rank 1 during training (mpiexec -n 2)", "mpiexec ends rank 0, exit non-zero", gone, "mpi")
@@ -182,14 +86,6 @@ def _wait_for_file_text(pattern: str, text: str, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def _wait_for_pids(env_key: bytes, marker: str, n: int, timeout_s: float = 60) -> dict[int, int]:
-    t0 = time.monotonic()
-    while len(pids := _rank_pids(env_key, marker)) < n:
-        assert time.monotonic() - t0 < timeout_s, f"only {pids} of {n} ranks found"
-        time.sleep(0.05)
-    return pids
-
-
 @pytest.mark.mpi
 def test_raising_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
     """Rank 1 raises once the mesh is up while rank 0 goes on into training: the launch ends at once, long before
@@ -198,9 +94,9 @@ def test_raising_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
     launch = Launch(_mpi_train(root, f"parallel.timeout_s={TIMEOUT_S * 4}"), {"HPCTRAIN_FAULT": "raise:1:ready"})
     pids: dict[int, int] = {}
     try:
-        pids = _wait_for_pids(b"PMI_RANK", str(root), 2)
+        pids = wait_for_pids(b"PMI_RANK", str(root), 2)
         _wait_for_file_text(f"{root}/*/logs/rank00001.log", "HPCTRAIN_FAULT", 120)
-        gone = _wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S * 4 + 20)
+        gone = wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S * 4 + 20)
     finally:
         launch.kill(list(pids.values()))
     assert gone is not None and gone < 5, f"ranks alive {gone} s after the exception:\n{launch.output[-3000:]}"
@@ -209,29 +105,6 @@ def test_raising_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
     assert "failed: MPI_Abort ends the launch" in launch.output and "Timed out" not in launch.output
     record("exception on rank 1 after start-up (mpiexec -n 2)", "traceback printed, MPI_Abort ends both ranks at "
            "once (no collective timeout), exit non-zero", gone, "mpi")
-
-
-def test_stopped_rank_without_mpi_exits_nonzero(tmp_path) -> None:
-    """Without MPI (srun without --mpi, here two processes with Slurm's variables and a file rendezvous) the rank
-    whose collective timed out exits non-zero: tearing down the process group does not wait on the stopped
-    peer. (srun --kill-on-bad-exit=1 then ends the stopped one.)"""
-    procs = []
-    for rank in range(2):
-        env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-               "SLURM_NNODES": "1", "SLURM_JOB_ID": "nompi"}
-        procs.append(Launch([sys.executable, "-m", "hpctrain.cli", "train", str(EXAMPLE), "--run-dir", str(tmp_path),
-                             *_sets(f"parallel.timeout_s={TIMEOUT_S}", *SMALL)], env))
-    try:
-        procs[0].wait_for(r"step 2/", 120)
-        os.kill(procs[1].proc.pid, signal.SIGSTOP)
-        gone = _wait_gone([procs[0].proc.pid], TIMEOUT_S + 20)
-    finally:
-        for p in procs:
-            p.kill([])
-    assert gone is not None and gone < TIMEOUT_S + 10, procs[0].output[-3000:]
-    assert procs[0].proc.returncode == 1 and "Timed out waiting" in procs[0].output
-    record("SIGSTOP of rank 1 during training (2 processes, Slurm variables, no MPI)",
-           f"rank 0's collective times out ({TIMEOUT_S} s) and it exits 1; teardown does not hang", gone, "unit")
 
 
 def _slurm_kill(tmp_path: Path, when: str, sig: signal.Signals = signal.SIGKILL,
@@ -253,13 +126,13 @@ def _slurm_kill(tmp_path: Path, when: str, sig: signal.Signals = signal.SIGKILL,
             t0 = time.monotonic()
             while not ({0, 2, 3} <= set(pids) and _file_has(err, "HPCTRAIN_FAULT")):
                 assert time.monotonic() - t0 < 120, f"rank 1 never reached the fault (tasks seen: {pids})"
-                pids |= _rank_pids(b"SLURM_PROCID", str(root))
+                pids |= rank_pids(b"SLURM_PROCID", str(root))
                 time.sleep(0.05)
         else:
             launch.wait_for(r"step 2/", 180)
-            pids = _wait_for_pids(b"SLURM_PROCID", str(root), 4)
+            pids = wait_for_pids(b"SLURM_PROCID", str(root), 4)
             os.kill(pids[1], sig)
-        gone = _wait_gone(list(pids.values()), timeout_s + 80)  # the step watchdog ends hangs at timeout_s + 60
+        gone = wait_gone(list(pids.values()), timeout_s + 80)
         launch.proc.wait(timeout=60)
     finally:
         if job_id and (launch.proc.poll() is None or gone is None):
@@ -277,20 +150,6 @@ def test_killed_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
     assert launch.proc.returncode == 1, launch.output[-3000:]
     record("SIGKILL of rank 1 during training (Slurm, 2 nodes x 2 tasks)",
            "the other 3 tasks end at once; submit --wait exits 1", gone, "slurm")
-
-
-@pytest.mark.slurm
-def test_stopped_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
-    """SIGSTOP of rank 1 mid-training: its peers' collective times out after parallel.timeout_s, they abort,
-    and srun ends the step, the stopped task included (SIGKILL works on a stopped process)."""
-    gone, launch = _slurm_kill(tmp_path, "training", signal.SIGSTOP, timeout_s=TIMEOUT_S)
-    limit = TIMEOUT_S + 60  # the step watchdog's: a tp peer's DTensor collective waited past gloo's timeout
-    assert gone is not None and gone < limit + 15, f"tasks alive {gone} s after SIGSTOP:\n{launch.output[-3000:]}"
-    assert launch.proc.returncode == 1, launch.output[-3000:]
-    record("SIGSTOP of rank 1 during training (Slurm, 2 nodes x 2 tasks, tp=2)",
-           f"the peers stop at the collective timeout ({TIMEOUT_S} s) or, inside a DTensor collective that ignores "
-           f"it, at the step watchdog's {limit} s; MPI_Abort and srun end all 4 tasks; submit --wait exits 1",
-           gone, "slurm")
 
 
 @pytest.mark.slurm
@@ -325,10 +184,10 @@ def test_raising_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
         t0 = time.monotonic()
         while not _file_has(err, "HPCTRAIN_FAULT"):
             assert time.monotonic() - t0 < 120, "rank 1 never reached the fault"
-            pids |= _rank_pids(b"SLURM_PROCID", str(root))
+            pids |= rank_pids(b"SLURM_PROCID", str(root))
             time.sleep(0.05)
         t_fault = time.monotonic()
-        gone = _wait_gone(list(pids.values()), 40)
+        gone = wait_gone(list(pids.values()), 40)
         launch.proc.wait(timeout=60)
         reported = time.monotonic() - t_fault
     finally:

@@ -14,16 +14,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from hpctrain import diagnose, heartbeat, stragglers, watchdog
+from helpers import REPO
+from hpctrain import diagnose, heartbeat, rendezvous, stragglers, watchdog
 from hpctrain.config import load_config
 from hpctrain.heartbeat import FILE_BYTES, Heartbeat
-
-from helpers import REPO
 
 
 def test_round_trip_and_facts(tmp_path) -> None:
@@ -101,6 +101,7 @@ class _Ended(Exception):
 def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int = 5):
     ended: list[str] = []
     monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
+    monkeypatch.setattr(rendezvous, "ENDING", threading.Event())  # this process's own stays clear
     hb = Heartbeat(tmp_path, 2, {"node": "n1"})
     hb.begin_step(step)
     hb.enter(phase, "all_reduce of the loss on dp" if phase == "collective" else "")

@@ -1,0 +1,80 @@
+"""Hangs and stragglers under mpiexec and on the local Slurm cluster (issue 17).
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/test_hang.py
+
+A rank stopped (SIGSTOP, from the HPCTRAIN_FAULT hook inside a step's forward) or asleep inside a step: every
+rank is gone within parallel.hang_timeout_s plus a margin, every live rank left its stacks and flight recorder in
+hang/, and `hpctrain diagnose` names the culprit and its node. On Slurm `submit --wait` exits 1 with the hang
+and a slowed rank is named as the straggler with its node. The local-executor case is
+tests/multiproc/test_hang_local.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from faults import record
+from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, Launch, check_hang, hang_run, mpi_train, sets
+
+from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, tool
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("action", ["SIGSTOP", "sleep600"])
+def test_hung_rank_mpiexec(mpiexec, tmp_path, action) -> None:
+    """mpiexec -n 4 (tp=2 x dp=2): rank 3 stops, or sleeps, in step 3's forward."""
+    root = tmp_path / "runs"
+    launch = Launch(mpi_train(root, 4, *HANG_SETS), {"HPCTRAIN_FAULT": f"{action}:3:forward3"})
+    stopped = action == "SIGSTOP"
+    gone, _ = hang_run(launch, b"PMI_RANK", root, 4, culprit=3, stopped=stopped)
+    assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
+    assert launch.proc.returncode != 0 and "MPI_Abort" in launch.output, launch.output[-3000:]
+    report = check_hang(root, 4, culprit=3)
+    culprit = report["culprits"][0]
+    assert (culprit["step"], culprit["phase"], culprit["dumped"]) == (3, "forward", not stopped), culprit
+    if not stopped:  # asleep: its own stack says where
+        assert any("busy in forward of step 3" in line and "inject_fault" in line for line in report["lines"]), \
+            report["lines"]
+    record(f"rank 3 {'stopped (SIGSTOP)' if stopped else 'asleep'} inside step 3's forward (mpiexec -n 4, tp=2 x "
+           f"dp=2)", f"the watchdog ({HANG_S} s) dumps every live rank, MPI_Abort ends all; diagnose names rank 3",
+           gone, "mpi")
+
+
+@pytest.mark.slurm
+def test_hung_rank_slurm(slurm_cluster, tmp_path) -> None:
+    """2 nodes x 2 tasks: rank 2 (the first rank of n2) stops in step 3's forward."""
+    root = tmp_path / "runs"
+    launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
+                     *sets(f"job.run_root={root}", "job.wait_timeout_s=30", *HANG_SETS)],
+                    {"HPCTRAIN_FAULT": "SIGSTOP:2:forward3"})
+    launch.wait_for(r"submitted job \d+", 60)
+    job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
+    gone, _ = hang_run(launch, b"SLURM_PROCID", root, 4, culprit=2, stopped=True, cancel=["scancel", job_id])
+    assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
+    assert launch.proc.returncode == 1 and "hang on rank" in launch.output, launch.output[-3000:]
+    report = check_hang(root, 4, culprit=2, node="n2")
+    assert any("n1" in line and "waited in" in line for line in report["lines"]), report["lines"]
+    record("rank 2 stopped (SIGSTOP) inside step 3's forward (Slurm, 2 nodes x 2 tasks)",
+           f"the watchdog ({HANG_S} s) dumps ranks 0, 1, 3; MPI_Abort and srun end all 4 tasks; submit --wait "
+           "exits 1 with the hang; diagnose names rank 2 on n2", gone, "slurm")
+
+
+@pytest.mark.slurm
+def test_straggler_named_with_its_node_slurm(slurm_cluster, tmp_path) -> None:
+    """Rank 3 (on n2) sleeps 0.3 s in every step; dp=4 across 2 nodes: the report names rank 3 and n2."""
+    import subprocess
+    out = subprocess.run([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
+                          *sets(f"job.run_root={tmp_path}", "train.steps=9", "train.log_every=3",
+                                "checkpoint.at_end=false", "data.source=synthetic", "model.n_layers=1",
+                                "model.dim=64", "parallel.tp=1")],
+                         capture_output=True, text=True, timeout=400,
+                         env=env_with_venv() | {"HPCTRAIN_FAULT": "sleep0.3:3:forward"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = read_summary(tmp_path)["train"]["stragglers"]
+    assert [r["rank"] for r in summary["ranks"]] == [3] and summary["hosts"][0]["host"] == "n2", summary
+    last = json.loads((only_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["stragglers"][0]["host"] == "n2", last
+    assert "| slow: rank 3 (n2)" in out.stdout, out.stdout[-2000:]
