@@ -303,7 +303,7 @@ def _ended(run_dir: Path, by_rank: dict[int, Rank]) -> dict[str, Any]:
         return {"kind": "finished", "lines": [f"finished: every rank done (step {', '.join(map(str, steps))})"],
                 "culprits": [], "files": []}
     failed = {r for r, p in phase.items() if p == "failed"}
-    error = {r: str(by_rank[r].beat.get("error") or by_rank[r].log_error) for r in by_rank}
+    error = {r: str(by_rank[r].beat.get("failure") or by_rank[r].log_error) for r in by_rank}
     own = {r for r in failed if error[r] and not PEER_ERRORS.search(error[r])}
     silent = {r for r, p in phase.items() if p not in ("done", "failed")}
     newest = max((info.beat.get("wall", 0) for info in by_rank.values()), default=0)
@@ -318,7 +318,7 @@ def _ended(run_dir: Path, by_rank: dict[int, Rank]) -> dict[str, Any]:
         if c in failed:
             lines.append(f"{who([c], by_rank)} failed in {_position(r)}: {error[c]}")
         else:
-            lines.append(f"{who([c], by_rank)} ended in {_position(r)} without an error of its own: killed "
+            lines.append(f"{who([c], by_rank)} ended in {_position(r)}, without an error of its own: killed "
                          f"(SIGKILL, the OOM killer, a node failure) or still running")
     others = sorted(failed - culprits)
     if others:

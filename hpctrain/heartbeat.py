@@ -152,20 +152,11 @@ def read(path: str | os.PathLike) -> dict[str, Any]:
         return {"error": f"{p.name}: its facts hold no rank"}
     m = LINE.fullmatch(live)
     if m is None:
-        return {"error": f"{p.name}: no live line", **facts}
+        return {**facts, "error": f"{p.name}: no live line"}
     changes, step, phase, wall, crc, detail = m.groups(default="")
     body = f"{changes} {step} {phase} {wall}".encode()
     if zlib.crc32(body + b" " + detail.encode()) != int(crc, 16) or phase not in PHASES:
-        return {"error": f"{p.name}: torn or damaged live line", **facts}
+        return {**facts, "error": f"{p.name}: torn or damaged live line"}
     return {**facts, "step": int(step), "phase": phase, "detail": detail, "wall": float(wall),
             "changes": int(changes)}
 
-
-def read_all(run_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """Every rank's heartbeat under RUN_DIR/heartbeat, by rank (files that do not read are left out)."""
-    out: dict[int, dict[str, Any]] = {}
-    for path in sorted((Path(run_dir) / "heartbeat").glob("rank*.hb")):
-        hb = read(path)
-        if "rank" in hb and "error" not in hb and path.name == heartbeat_path("", hb["rank"]).name:
-            out[hb["rank"]] = hb
-    return out

@@ -185,7 +185,7 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         except Exception as e:
             s.summary["error"] = f"{type(e).__name__}: {e}"
             log.error("%s", s.summary["error"])
-            s.heartbeat.set_facts(error=s.summary["error"][:300])
+            s.heartbeat.set_facts(failure=s.summary["error"][:300])
             raise
         finally:
             if s.watchdog is not None:

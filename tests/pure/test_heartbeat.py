@@ -54,8 +54,8 @@ def test_damaged_files_are_refused(tmp_path) -> None:
     link.symlink_to(path)
     assert "error" in heartbeat.read(link)
     long = Heartbeat(tmp_path / "b", 2, {"node": "n"})
-    long.set_facts(error="E" * 5000)  # a long error message is shortened, not refused
-    assert heartbeat.read(long.path)["error"].startswith("EEE")
+    long.set_facts(failure="E" * 5000)  # a long error message is shortened, not refused
+    assert heartbeat.read(long.path)["failure"].startswith("EEE")
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])

@@ -1,0 +1,148 @@
+"""`hpctrain diagnose` on run directories written here the way ranks write them (issue 17): real heartbeat files
+and hang dumps (hpctrain.heartbeat, hpctrain.watchdog.dump_stacks), flight recorders shaped as torch 2.13 dumps
+them. The real launches are in tests/multiproc/test_hang_local.py and tests/cluster/test_hang.py.
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_diagnose.py
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain import diagnose, watchdog
+from hpctrain.heartbeat import Heartbeat
+
+from helpers import hpctrain
+
+NODES = ["n1", "n1", "n2", "n2"]  # tp=2 inside a node, dp=2 across: tp groups [0,1] [2,3], dp groups [0,2] [1,3]
+
+
+def _beat(run: Path, rank: int, step: int, phase: str, detail: str = "", **facts) -> Heartbeat:
+    hb = Heartbeat(run, rank, {"host": "h" + NODES[rank], "node": NODES[rank],
+                               "coords": {"pp": 0, "dp": rank // 2, "tp": rank % 2}, **facts})
+    hb.begin_step(step)
+    hb.enter(phase, detail)
+    return hb
+
+
+def _entry(seq: int, desc: str, op: str = "all_reduce", retired: bool = True, t: int = 0) -> dict:
+    return {"collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False, "process_group": [str(seq), desc],
+            "profiling_name": f"gloo:{op}", "retired": retired, "state": "scheduled", "time_created_ns": t,
+            "input_sizes": [[4]]}
+
+
+def _dump(run: Path, hb: Heartbeat, entries: list[dict] | None) -> None:
+    (run / "hang").mkdir(exist_ok=True)
+    watchdog.dump_stacks(watchdog.hang_path(run, hb.rank), hb, "no progress for 9 s", 9.0)
+    if entries is not None:
+        watchdog.hang_path(run, hb.rank, ".fr.json").write_text(json.dumps({"fr": {"entries": entries}}))
+
+
+def _request(run: Path, rank: int) -> None:
+    (run / "hang").mkdir(exist_ok=True)
+    (run / "hang" / "request").write_text(json.dumps({"rank": rank, "reason": "no progress", "wall": time.time()}))
+
+
+def _stopped_rank_1(run: Path, fr: bool = True) -> None:
+    """Rank 1 stopped in step 812's forward: its tp peer 0 waits in the tp all-reduce of that forward; ranks 2, 3
+    wait in the dp gradient reduction, for 0 and 1 (they never got there)."""
+    _beat(run, 1, 812, "forward")
+    history = [_entry(k, "mesh_tp", t=k) for k in range(1, 41)] + [_entry(k, "mesh_dp", t=100 + k) for k in range(1, 10)]
+    hb0 = _beat(run, 0, 812, "forward")
+    _dump(run, hb0, history + [_entry(41, "mesh_tp", retired=False, t=200)] if fr else None)
+    for r in (2, 3):
+        hb = _beat(run, r, 812, "collective", "gradient reduction on dp")
+        _dump(run, hb, history + [_entry(41, "mesh_tp", t=150), _entry(10, "mesh_dp", retired=False, t=300)]
+              if fr else None)
+    _request(run, 2)
+
+
+def test_a_stopped_rank_is_found_through_the_waits(tmp_path) -> None:
+    _stopped_rank_1(tmp_path)
+    report = diagnose.diagnose(tmp_path)
+    assert report["kind"] == "hang" and [c["rank"] for c in report["culprits"]] == [1], report
+    lines = report["lines"]
+    assert lines[1].startswith("rank 1 (n1) last seen in forward of step 812") and "left no hang dump" in lines[1]
+    assert "rank 0 (n1) waited in all_reduce on the tp group (forward of step 812) for rank 1 (n1)" in lines
+    assert ("ranks 2-3 (n2) waited in all_reduce on the dp group (gradient reduction on dp, step 812) for ranks "
+            "0-1 (n1)") in lines
+    assert report["waiting"]["2"] == {"op": "all_reduce", "group": "dp", "seq": 10, "for": [0]}
+    assert "hang/rank00000.txt" in report["files"] and "heartbeat/rank00001.hb" in report["files"]
+    out = hpctrain("diagnose", str(tmp_path))
+    assert out.returncode == 1 and "rank 1 (n1) last seen in forward of step 812" in out.stdout, out.stdout
+
+
+def test_without_flight_recorders_the_silent_rank_is_named(tmp_path) -> None:
+    _stopped_rank_1(tmp_path, fr=False)
+    report = diagnose.diagnose(tmp_path)
+    assert [c["rank"] for c in report["culprits"]] == [1], report["lines"]
+
+
+def test_a_busy_rank_is_named_with_its_stack(tmp_path) -> None:
+    """Rank 3 computes (or sleeps) in step 5's forward while everyone else waits: it dumped, but waits for no one."""
+    hist = [_entry(k, "mesh_tp") for k in range(1, 9)]
+    _dump(tmp_path, _beat(tmp_path, 3, 5, "forward"), hist)
+    _dump(tmp_path, _beat(tmp_path, 2, 5, "forward"), hist + [_entry(9, "mesh_tp", retired=False)])
+    for r in (0, 1):
+        _dump(tmp_path, _beat(tmp_path, r, 5, "collective", "gradient reduction on dp"),
+              hist + [_entry(9, "mesh_tp"), _entry(3, "mesh_dp", retired=False)])
+    _request(tmp_path, 0)
+    report = diagnose.diagnose(tmp_path)
+    assert [c["rank"] for c in report["culprits"]] == [3], report["lines"]
+    busy = report["lines"][1]
+    assert busy.startswith("rank 3 (n2) was busy in forward of step 5") and "test_diagnose.py" in busy, busy
+
+
+def test_a_failed_run_names_the_rank_that_raised_first(tmp_path) -> None:
+    _beat(tmp_path, 2, 7, "failed", failure="RuntimeError: CUDA error: an illegal memory access was encountered")
+    for r in (0, 1, 3):
+        _beat(tmp_path, r, 7, "failed", failure="DistBackendError: Connection closed by peer [10.0.0.3]:2901")
+    report = diagnose.diagnose(tmp_path)
+    assert report["kind"] == "failed" and [c["rank"] for c in report["culprits"]] == [2], report["lines"]
+    assert "illegal memory access" in report["lines"][1]
+    assert report["lines"][2].startswith("then ranks 0-1, 3 (n1, n2) failed: DistBackendError: Connection closed")
+
+
+def test_a_killed_rank_is_the_one_that_ended_without_a_word(tmp_path) -> None:
+    """SIGKILL (the OOM killer): rank 3's heartbeat stays mid-step; the others failed because it vanished."""
+    _beat(tmp_path, 3, 40, "backward")
+    for r in (0, 1, 2):
+        _beat(tmp_path, r, 40, "failed", failure="RuntimeError: [gloo] Connection reset by peer")
+    report = diagnose.diagnose(tmp_path)
+    assert [c["rank"] for c in report["culprits"]] == [3], report["lines"]
+    assert "ended in backward of step 40, since" in report["lines"][1]
+    assert "without an error of its own" in report["lines"][1]
+
+
+def test_finished_and_running_runs(tmp_path) -> None:
+    beats = [_beat(tmp_path, r, 100, "forward") for r in range(4)]
+    assert diagnose.diagnose(tmp_path)["kind"] == "running"
+    for hb in beats:
+        hb.close("done")
+    report = diagnose.diagnose(tmp_path)
+    assert report["kind"] == "finished" and report["lines"] == ["finished: every rank done (step 100)"]
+    assert hpctrain("diagnose", str(tmp_path)).returncode == 0
+
+
+def test_damaged_inputs_are_reported_not_trusted(tmp_path) -> None:
+    _stopped_rank_1(tmp_path)
+    (tmp_path / "heartbeat" / "rank00009.hb").write_bytes(b"\0" * 1024)  # not a heartbeat
+    big = watchdog.hang_path(tmp_path, 3, ".fr.json")
+    with big.open("r+b") as f:  # a flight recorder over the size limit is not read
+        f.truncate(diagnose.MAX_DUMP_BYTES + 1)
+    outside = tmp_path.parent / "elsewhere.txt"
+    outside.write_text("# hpctrain hang dump {}\n")
+    (tmp_path / "hang" / "rank00007.txt").symlink_to(outside)  # a link out of the run directory: ignored
+    report = diagnose.diagnose(tmp_path)
+    assert any("rank00009.hb" in p for p in report["problems"]), report["problems"]
+    assert [c["rank"] for c in report["culprits"]] == [1] and "7" not in report["waiting"], report
+    with pytest.raises(ValueError, match="not a run directory"):
+        diagnose.diagnose(tmp_path / "nope")
+
+
+def test_ranges() -> None:
+    assert diagnose.ranges([6, 0, 1, 2, 3, 4, 7]) == "0-4, 6-7"
+    assert diagnose.ranges([5]) == "5"
