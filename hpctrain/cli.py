@@ -380,9 +380,8 @@ def topo(config: str, overrides: tuple[str, ...]) -> None:
     click.echo(mesh.format_rank_map(plan.layout, mesh.rank_table(plan.layout, plan.node_of_rank)))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 main.add_command(data_group)
 main.add_command(diagnose_cmd)
+
+if __name__ == "__main__":  # after every add_command: `python -m hpctrain.cli data ...` needs them registered
+    sys.exit(main())

@@ -124,10 +124,11 @@ def parse_flight_recorder(text: str) -> tuple[dict[str, Any] | None, dict[str, i
         seq = e.get("p2p_seq_id" if p2p else "collective_seq_id")
         if not isinstance(seq, int):
             continue
-        key = desc + (" p2p" if p2p else "")
+        # a group of an NCCL job has two backends (gloo for host tensors), each counting its own collectives
+        backend, _, op = str(e.get("profiling_name", "?:?")).partition(":")
+        key = f"{backend}:{desc}" + (" p2p" if p2p else "")
         last[key] = max(last.get(key, 0), seq)
         if flight is None and e.get("retired") is False:
-            op = str(e.get("profiling_name", "?")).split(":", 1)[-1]
             flight = {"group": desc, "key": key, "op": op, "seq": seq, "p2p": p2p,
                       "sizes": e.get("input_sizes"), "state": e.get("state")}
     return flight, last

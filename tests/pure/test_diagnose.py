@@ -146,3 +146,21 @@ def test_damaged_inputs_are_reported_not_trusted(tmp_path) -> None:
 def test_ranges() -> None:
     assert diagnose.ranges([6, 0, 1, 2, 3, 4, 7]) == "0-4, 6-7"
     assert diagnose.ranges([5]) == "5"
+
+
+def test_nccl_and_gloo_count_apart(tmp_path) -> None:
+    """An NCCL job's group has a gloo side (host tensors) numbering its collectives apart: rank 2's gloo #50 on dp
+    is no sign that it reached NCCL's #12 there."""
+    def nccl(seq: int, retired: bool = True) -> dict:
+        return _entry(seq, "mesh_dp", retired=retired) | {"profiling_name": "nccl:all_reduce"}
+    for r in (0, 2):
+        hb = _beat(tmp_path, r, 9, "collective" if r == 0 else "optimizer")
+        (tmp_path / "hang").mkdir(exist_ok=True)
+        watchdog.dump_stacks(watchdog.hang_path(tmp_path, r), hb, "x", 9.0)
+        gloo = [_entry(k, "mesh_dp", t=k) for k in range(1, 51)]
+        ours = [nccl(k) for k in range(1, 12)] + ([nccl(12, retired=False)] if r == 0 else [])
+        watchdog.hang_path(tmp_path, r, ".fr.json").write_text(json.dumps({"fr": {"entries": gloo},
+                                                                            "nccl": {"entries": ours}}))
+    _request(tmp_path, 0)
+    report = diagnose.diagnose(tmp_path)
+    assert report["waiting"]["0"]["for"] == [2] and [c["rank"] for c in report["culprits"]] == [2], report
