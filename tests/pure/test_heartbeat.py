@@ -217,3 +217,15 @@ def test_find_stragglers_per_stage() -> None:
     s = tally.summary()
     assert s["log_intervals"] == 3 and s["ranks"][0]["rank"] == 2 and s["ranks"][0]["intervals"] == 2
     assert s["hosts"] == [{"host": "n1", "intervals": 2}]
+
+
+def test_plot_per_rank_step_times(tmp_path) -> None:
+    from hpctrain.plot import per_rank_step_times, plot_training
+    rows = [{"step": 1, "loss": 5.0, "lr": 1e-4, "tokens_per_s": 100.0, "mfu": 0.1, "rank_compute_s": [1.0, 2.0],
+             "rank_wait_s": [1.0, 0.0], "stragglers": [{"rank": 1}]},
+            {"step": 5, "loss": 4.0, "lr": 1e-4, "tokens_per_s": 100.0, "mfu": 0.1, "rank_compute_s": [4.0, 4.4],
+             "rank_wait_s": [0.4, 0.0], "stragglers": []}]
+    steps, series, slow = per_rank_step_times(rows)
+    assert steps == [1, 5] and series == [[1.0, 1.0], [2.0, 1.1]] and slow == [(1, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_training(tmp_path).stat().st_size > 10000
