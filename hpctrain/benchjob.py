@@ -87,6 +87,12 @@ def _preamble(s: session.Session, opts: harness.Options, ctx: Ctx, out: Callable
         out(f"#  Rank {i['rank']:3d} Pid {i['pid']:7d} on {i['node']:>10} device {i['device']}")
 
 
+def beat(s: session.Session, what: str) -> None:
+    """Each finished size is progress for the hang watchdog (a sweep as a whole may outlast its start-up limit)."""
+    if s.heartbeat is not None:
+        s.heartbeat.enter("startup", f"bench {what}")
+
+
 def run_collectives(s: session.Session, opts: harness.Options, json_path: str | None,
                     plot_path: str | None) -> dict[str, Any]:
     ctx = make_ctx(s, opts)
@@ -100,7 +106,7 @@ def run_collectives(s: session.Session, opts: harness.Options, json_path: str | 
             out(line)
         one = replace(opts, colls=[name])
         rows += harness.run_benchmark(one, ctx, s.device, world_max, world_sum, barrier,
-                                      emit=lambda row: out(sweep.format_row(row)))
+                                      emit=lambda row: (out(sweep.format_row(row)), beat(s, name)))
     for line in sweep.summary_lines(rows):
         out(line)
     wrong = sum(res["wrong"] or 0 for r in rows for res in (r.out, r.inp) if res is not None)
