@@ -4,6 +4,7 @@
     hpctrain train CONFIG [--set ...] [--run-dir DIR]      # what each rank runs
     hpctrain topo CONFIG [--set ...]                       # the rank map the job will use
     hpctrain bench COLL... [nccl-tests flags]              # collective benchmark; `bench gemm` for matmul
+    hpctrain doctor CONFIG [--set ...] [--here]            # screen the nodes: GEMM, links, storage, clocks
     hpctrain data build OUT [INPUTS...] [--tokenizer F]    # token datasets (byte level, or a tokenizer's)
     hpctrain plot RUN_DIR                                  # training curves
     hpctrain ckpt ls|inspect|verify|export ...             # checkpoints (export --format hf: transformers)
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import click
 
 from hpctrain.cli_data import data_group
+from hpctrain.cli_doctor import command as doctor_command
 from hpctrain.cliutil import CONFIG_ARG, SET_OPT, user_errors
 from hpctrain.config import Config, load_config
 
@@ -377,8 +379,8 @@ def topo(config: str, overrides: tuple[str, ...]) -> None:
     click.echo(mesh.format_rank_map(plan.layout, mesh.rank_table(plan.layout, plan.node_of_rank)))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 main.add_command(data_group)
+main.add_command(doctor_command(ends_launch_on_error, _submit))
+
+if __name__ == "__main__":  # last: `python -m hpctrain.cli` must see every command
+    sys.exit(main())
