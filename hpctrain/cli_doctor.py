@@ -52,7 +52,7 @@ def command(ends_launch_on_error: Callable, submit: Callable[..., Path]) -> clic
                   help="With --here: an existing run directory (submission passes it); default: a fresh one.")
     @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of the table.")
     @click.option("--margin", type=float, default=None, help="Fail a GEMM, CPU count or bandwidth below (1 - "
-                  "margin) x its peers' median [default: 0.2 on GPUs, 0.5 on CPUs].")
+                  "margin) x its peers' median [default: 0.2 on GPUs, 0.6 on CPUs].")
     @click.option("--storage-margin", type=float, default=None,
                   help="The same for a node's write and read rate [default: 0.5].")
     @click.option("--expected-fraction", type=float, default=None, help="With job.gpu naming a GPU: fail below "

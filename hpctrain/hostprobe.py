@@ -2,7 +2,7 @@
 rate, free space, file system and Lustre striping; the software environment. No torch.distributed; the caller
 (hpctrain/doctor.py) picks one rank per node.
 
-    storage(Path("/lustre/ckpt"), 128 << 20, reps=2, stall=time.sleep)   # {"write_gbps", "read_gbps", ...}
+    storage(Path("/lustre/ckpt"), 128 << 20, "n1")   # {"write_gbps", "read_gbps", "free_gb", "fs", ...}
     environment()                                                       # {"torch", "cuda", "nccl", "mpi", ...}
 """
 from __future__ import annotations
@@ -64,43 +64,41 @@ def striping(path: Path, fs: str) -> str:
     return f"lfs getstripe -d: {text}" if out.returncode == 0 else f"lfs getstripe failed: {text}"
 
 
-def storage(directory: Path, nbytes: int, reps: int, name: str, stall: Callable[[float], None] | None = None
+def storage(directory: Path, nbytes: int, name: str, stall: Callable[[float], None] | None = None
             ) -> dict[str, Any]:
-    """Best of `reps` rounds of: write nbytes to a new file in `directory` and fsync it (the time a checkpoint
-    shard takes to be durable), then read it back cold. The file's cached pages are dropped with
+    """Write nbytes to a new file in `directory` and fsync it (the time a checkpoint shard takes to be durable),
+    then read it back cold. The file's cached pages are dropped with
     posix_fadvise(DONTNEED) before the read (they are clean after the fsync); a file system that ignores the
     advice reports a cached read. stall(seconds) is the slowed-node test switch's hook (hpctrain/doctor.py)."""
     path = directory / f".hpctrain-doctor-{name}-{os.getpid()}"
     block = memoryview(os.urandom(min(BLOCK, nbytes)))  # incompressible: a compressing file system must not flatter it
     buf = bytearray(len(block))
-    best_w = best_r = 0.0
     fs = file_system(directory)
     try:
-        for _ in range(reps):
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for start in range(0, nbytes, len(block)):
+                os.write(fd, block[:nbytes - start])  # the last block may be short
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        write = nbytes / stalled(time.perf_counter() - t0, stall) / 1e9
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                for start in range(0, nbytes, len(block)):
-                    os.write(fd, block[:nbytes - start])  # the last block may be short
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            best_w = max(best_w, nbytes / stalled(time.perf_counter() - t0, stall) / 1e9)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                t0 = time.perf_counter()
-                while os.readv(fd, [buf]):
-                    pass
-            finally:
-                os.close(fd)
-            best_r = max(best_r, nbytes / stalled(time.perf_counter() - t0, stall) / 1e9)
+            while os.readv(fd, [buf]):
+                pass
+        finally:
+            os.close(fd)
+        read = nbytes / stalled(time.perf_counter() - t0, stall) / 1e9
         free = shutil.disk_usage(directory).free
     except OSError as e:
         return {"dir": str(directory), "error": f"cannot write and read back {path}: {e.strerror or e}"}
     finally:
         path.unlink(missing_ok=True)
-    return {"dir": str(directory), "write_gbps": best_w, "read_gbps": best_r, "bytes": nbytes,
+    return {"dir": str(directory), "write_gbps": write, "read_gbps": read, "bytes": nbytes,
             "free_gb": free / 1e9, "fs": fs, "striping": striping(directory, fs)}
 
 
