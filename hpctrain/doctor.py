@@ -268,7 +268,7 @@ def _requeue_without(failed: list[str], num_nodes: int, run_dir: Path) -> tuple[
     exclude, why = doctor_report.plan_requeue(failed, already, usable, num_nodes, before)
     if exclude is None:
         return False, f"not requeued: {why}"
-    return preempt.requeue_excluding(job, exclude)
+    return preempt.requeue_excluding(exclude)
 
 
 def preflight(s: session.Session) -> bool:

@@ -12,12 +12,13 @@ the rank. session.start hands it to the payload as Session.preempt.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hpctrain.hostlist import compress, expand
 
@@ -166,21 +167,34 @@ def usable_nodes(partition: str) -> list[str] | str:
     return list(dict.fromkeys(name for name, state in rows if state in USABLE_STATES))
 
 
-def requeue_excluding(job: str, nodes: list[str]) -> tuple[bool, str]:
-    """Requeues this running job with ExcNodeList = nodes; (done, one line saying what happened). Slurm 22.05
-    refuses ExcNodeList on a running job ("Job is no longer pending execution"), so the job is requeued held first
-    (it cannot start again meanwhile), updated, then released; the release runs even when the update failed, or
-    the job would stay held. Measured here: the job ran again on another node ~12 s later (cred_expire=10)."""
-    hold = _scontrol("requeuehold", job)
-    if isinstance(hold, str) or hold.returncode:
-        why = hold if isinstance(hold, str) else hold.stderr.strip()
-        return False, f"job {job} not requeued: scontrol requeuehold failed: {why}"
-    excl = compress(nodes)
-    update = _scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
-    release = _scontrol("release", job)
-    problems = [f"scontrol {what} failed: {out if isinstance(out, str) else out.stderr.strip()}"
-                for what, out in (("update ExcNodeList", update), ("release", release))
-                if isinstance(out, str) or out.returncode]
-    if problems:
-        return True, f"requeued job {job}, but {'; '.join(problems)}"
+@contextlib.contextmanager
+def _term_ignored() -> Iterator[None]:
+    """SIGTERM ignored by this process and the commands it starts meanwhile (an ignored signal stays ignored across
+    exec; a handler does not). Main thread only."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def requeue_excluding(nodes: list[str]) -> tuple[bool, str]:
+    """Requeues this running job (requeue(): only while it is RUNNING) with ExcNodeList = nodes; (requeued, one line
+    saying what happened). Measured on Slurm 22.05: ExcNodeList is refused on a running job ("Job is no longer
+    pending execution") but accepted right after `scontrol requeue`, while the job is COMPLETING, and it cannot start
+    again before this process, one of its own, has ended: so requeue, then update, with no window. Slurm sends the
+    job's processes SIGTERM at the requeue: the scontrol commands start with it ignored, or the update would die
+    with them (seen). Not `requeuehold` + `release`: a release that came too early, or died so, left the job held
+    for good (seen). If the update fails the job runs again, maybe on the same node: the caller bounds the
+    requeues. Here the job ran again on another node ~15 s later (cred_expire=10)."""
+    job = slurm_job_id()
+    with _term_ignored():
+        said = requeue()
+        if said != f"requeued job {job}":
+            return False, said
+        excl = compress(nodes)
+        update = _scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
+    if isinstance(update, str) or update.returncode:
+        why = update if isinstance(update, str) else update.stderr.strip() or f"exit status {update.returncode}"
+        return True, f"requeued job {job}, but scontrol update ExcNodeList={excl} failed: {why}"
     return True, f"requeued job {job} without {excl} (ExcNodeList={excl})"

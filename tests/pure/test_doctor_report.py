@@ -248,31 +248,47 @@ def test_requeue_plan():
 
 
 def _fake_scontrol(tmp_path, monkeypatch, fail_update=False):
+    """A stand-in scontrol that logs each call with whether SIGTERM reached it ignored (bit 15 of SigIgn)."""
     calls = tmp_path / "calls"
     fake = tmp_path / "scontrol"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
-                    "[ \"$1\" = show ] && echo 'JobId=77 JobName=x JobState=RUNNING ExcNodeList=n[5-6] Comment=n9'\n"
+    fake.write_text(f"#!/bin/sh\nign=$(awk '/^SigIgn/ {{print $2}}' /proc/$$/status)\n"
+                    f"echo \"$* [ign=$ign]\" >> {calls}\n"
+                    "[ \"$1\" = show ] && echo 'JobId=77 JobName=x JobState=RUNNING Reason=None ExcNodeList=n[5-6]'\n"
                     + ("[ \"$1\" = update ] && echo 'Job is no longer pending execution' >&2 && exit 1\n" * fail_update)
                     + "exit 0\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     return calls
 
 
-def test_requeue_excluding_holds_updates_then_releases(tmp_path, monkeypatch):
-    """Slurm 22.05 refuses ExcNodeList on a running job: requeuehold, update, release, in that order; and the
-    release comes even when the update fails (a held job would never run)."""
+def _asked(calls) -> list[tuple[str, bool]]:
+    """(arguments, SIGTERM ignored) of each call."""
+    out = []
+    for line in calls.read_text().splitlines():
+        args, mask = line.rsplit(" [ign=", 1)
+        out.append((args, bool(int(mask.rstrip("]"), 16) & (1 << 14))))
+    return out
+
+
+def test_requeue_excluding_requeues_then_updates_with_sigterm_ignored(tmp_path, monkeypatch):
+    """Slurm 22.05 refuses ExcNodeList on a running job and takes it right after the requeue; the job's processes
+    get SIGTERM at the requeue, so the commands run with it ignored (else the update dies with the job)."""
+    import signal
+
     calls = _fake_scontrol(tmp_path, monkeypatch)
     assert preempt.excluded_nodes("77") == ["n5", "n6"]
-    done, msg = preempt.requeue_excluding("77", ["n5", "n6", "n2"])
+    before = signal.getsignal(signal.SIGTERM)
+    done, msg = preempt.requeue_excluding(["n5", "n6", "n2"])
     assert done and msg == "requeued job 77 without n[2,5-6] (ExcNodeList=n[2,5-6])"
-    assert calls.read_text().splitlines() == ["show job -o 77", "requeuehold 77",
-                                              "update JobId=77 ExcNodeList=n[2,5-6]", "release 77"]
+    assert _asked(calls) == [("show job -o 77", False), ("show job -o 77", True), ("requeue 77", True),
+                             ("update JobId=77 ExcNodeList=n[2,5-6]", True)]
+    assert signal.getsignal(signal.SIGTERM) is before  # given back
     calls.unlink()
     calls = _fake_scontrol(tmp_path, monkeypatch, fail_update=True)
-    done, msg = preempt.requeue_excluding("77", ["n2"])
-    assert done and "scontrol update ExcNodeList failed: Job is no longer pending execution" in msg
-    assert calls.read_text().splitlines()[-1] == "release 77"
+    done, msg = preempt.requeue_excluding(["n2"])
+    assert done and "but scontrol update ExcNodeList=n2 failed: Job is no longer pending execution" in msg
 
 
 def test_hostlist_round_trips_and_refusals():
