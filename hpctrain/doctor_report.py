@@ -202,7 +202,7 @@ def _node_rows(job: dict[str, Any], nodes: list[dict[str, Any]], rules: Rules) -
         e = n["env"]
         env = _check("env", n["node"], where, None, "", f"torch {e['torch']}, CUDA {e['cuda'] or '-'}, NCCL "
                      f"{e['nccl'] or '-'}, MPI {e['mpi'] or '-'}, {len(e['vars'])} variable(s)")
-        env["signature"] = repr(sorted((k, v) for k, v in e.items() if k != "shown"))
+        env["signature"] = repr(sorted((k, v) for k, v in e.items() if k != "shown"))  # "shown" may differ
         rows += [clock, env]
     _against_median(writes, rules.storage_margin, "write")
     _against_median(reads, rules.storage_margin, "read")
@@ -292,9 +292,10 @@ def render(report: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
     envs = {n["node"]: n["env"]["vars"] for n in report["nodes"]}
-    shown = {f"{k}={v}" for vs in envs.values() for k, v in vs.items()}
-    if len({repr(v) for v in envs.values()}) <= 1:
-        lines.append(f"communication variables (every node): {', '.join(sorted(shown)) or 'none set'}")
+    if len({repr(v) for v in envs.values()}) <= 1:  # alike everywhere: said once
+        common = next(iter(envs.values()), {})
+        lines.append(f"communication variables (every node): "
+                     f"{', '.join(f'{k}={v}' for k, v in common.items()) or 'none set'}")
     else:
         lines += [f"communication variables on {node}: {', '.join(f'{k}={v}' for k, v in vs.items()) or 'none'}"
                   for node, vs in envs.items()]
