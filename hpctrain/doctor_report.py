@@ -28,7 +28,9 @@ from hpctrain.planner import hardware
 class Rules:
     """When a value fails. margin: below (1 - margin) x the median of its peers (GEMM, CPUs, bandwidth);
     storage_margin the same for write and read rates; expected_fraction: below this share of the planner's figure
-    for job.gpu; max_skew_ms: a node's clock further than this from rank 0's, round trip allowed for."""
+    for job.gpu (healthy GPUs reach 0.6-0.9 of the datasheet GEMM, an H100 here 0.81, and most of a link in a large
+    all-reduce; a throttled GPU or a network fallen back to TCP lands far below 0.4); max_skew_ms: a node's clock
+    further than this from rank 0's, round trip allowed for (NTP keeps nodes within milliseconds)."""
     margin: float
     storage_margin: float = 0.5
     expected_fraction: float = 0.4
