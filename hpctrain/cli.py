@@ -4,6 +4,7 @@
     hpctrain train CONFIG [--set ...] [--run-dir DIR]      # what each rank runs
     hpctrain topo CONFIG [--set ...]                       # the rank map the job will use
     hpctrain bench COLL... [nccl-tests flags]              # collective benchmark; `bench gemm` for matmul
+    hpctrain doctor CONFIG [--set ...] [--here]            # screen the nodes: GEMM, links, storage, clocks
     hpctrain data build OUT [INPUTS...] [--tokenizer F]    # token datasets (byte level, or a tokenizer's)
     hpctrain plot RUN_DIR                                  # training curves
     hpctrain diagnose RUN_DIR                              # who stopped where in a hung or failed run
@@ -25,6 +26,7 @@ import click
 
 from hpctrain.cli_data import data_group
 from hpctrain.cli_diagnose import diagnose_cmd
+from hpctrain.cli_doctor import command as doctor_command
 from hpctrain.cliutil import CONFIG_ARG, SET_OPT, user_errors
 from hpctrain.config import Config, load_config
 
@@ -382,6 +384,7 @@ def topo(config: str, overrides: tuple[str, ...]) -> None:
 
 main.add_command(data_group)
 main.add_command(diagnose_cmd)
+main.add_command(doctor_command(ends_launch_on_error, _submit))
 
-if __name__ == "__main__":  # after every add_command: `python -m hpctrain.cli data ...` needs them registered
+if __name__ == "__main__":  # last: `python -m hpctrain.cli` must see every command
     sys.exit(main())

@@ -12,12 +12,15 @@ the rank. session.start hands it to the payload as Session.preempt.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
+
+from hpctrain.hostlist import compress, expand
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +95,14 @@ def _scontrol(*args: str) -> subprocess.CompletedProcess | str:
         return f"scontrol {' '.join(args)} failed: {e}"
 
 
+def slurm_job_id() -> str | None:
+    """This process's Slurm job as scontrol names it (an array task as <array job>_<task>), None outside Slurm."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
+
+
 def requeue() -> str:
     """Puts this Slurm job back in the queue (it restarts with the same job id and run directory) unless Slurm is
     ending it already; returns one line saying what happened (the caller logs it, after the checkpoint is
@@ -102,8 +113,7 @@ def requeue() -> str:
     COMPLETING job succeeds and runs it again: the user's cancel would be undone. A preemption leaves the job
     RUNNING through its GraceTime (SIGTERM, or the --signal USR2 with preempt_send_user_signal), and so do
     `scancel --signal=USR2` and the time limit's USR2@signal_delay_s warning."""
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") and (
-        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}") or os.environ.get("SLURM_JOB_ID")
+    job = slurm_job_id()
     if not job:
         return "not a Slurm job: nothing to requeue (rerun the same command to resume)"
     resume = "submit the same config with train.resume=<run dir> to resume from the committed checkpoint"
@@ -122,3 +132,69 @@ def requeue() -> str:
         why = out if isinstance(out, str) else out.stderr.strip()
         return f"job {job} not requeued: scontrol requeue {job} failed: {why}; {resume}"
     return f"requeued job {job}"
+
+
+def _job_field(job: str, key: str) -> str:
+    """One field of `scontrol show job -o` (the first match: later fields such as Comment may hold anything)."""
+    show = _scontrol("show", "job", "-o", job)
+    if isinstance(show, str) or show.returncode:
+        raise OSError(show if isinstance(show, str) else f"scontrol show job {job}: {show.stderr.strip()}")
+    m = re.search(rf"\b{key}=(\S*)", show.stdout)
+    return m.group(1) if m else ""
+
+
+def excluded_nodes(job: str) -> list[str] | str:
+    """The nodes the job may not run on (its ExcNodeList), or why they cannot be read."""
+    try:
+        return expand(_job_field(job, "ExcNodeList"))
+    except (OSError, ValueError) as e:
+        return f"job {job}: cannot read its excluded nodes: {e}"
+
+
+USABLE_STATES = ("idle", "mixed", "allocated", "completing", "planned")  # others: down, drained, failing
+
+
+def usable_nodes(partition: str) -> list[str] | str:
+    """The partition's nodes that can run jobs (busy ones included), or why they cannot be listed."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %T"], capture_output=True, text=True,
+                             timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot list the nodes of partition {partition!r}: {e}"
+    if out.returncode:
+        return f"sinfo -p {partition}: {out.stderr.strip()}"
+    rows = [line.split() for line in out.stdout.splitlines() if len(line.split()) == 2]
+    return list(dict.fromkeys(name for name, state in rows if state in USABLE_STATES))
+
+
+@contextlib.contextmanager
+def _term_ignored() -> Iterator[None]:
+    """SIGTERM ignored by this process and the commands it starts meanwhile (an ignored signal stays ignored across
+    exec; a handler does not). Main thread only."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def requeue_excluding(nodes: list[str]) -> tuple[bool, str]:
+    """Requeues this running job (requeue(): only while it is RUNNING) with ExcNodeList = nodes; (requeued, one line
+    saying what happened). Measured on Slurm 22.05: ExcNodeList is refused on a running job ("Job is no longer
+    pending execution") but accepted right after `scontrol requeue`, while the job is COMPLETING, and it cannot start
+    again before this process, one of its own, has ended: so requeue, then update, with no window. Slurm sends the
+    job's processes SIGTERM at the requeue: the scontrol commands start with it ignored, or the update would die
+    with them (seen). Not `requeuehold` + `release`: a release that came too early, or died so, left the job held
+    for good (seen). If the update fails the job runs again, maybe on the same node: the caller bounds the
+    requeues. Here the job ran again on another node ~15 s later (cred_expire=10)."""
+    job = slurm_job_id()
+    with _term_ignored():
+        said = requeue()
+        if said != f"requeued job {job}":
+            return False, said
+        excl = compress(nodes)
+        update = _scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
+    if isinstance(update, str) or update.returncode:
+        why = update if isinstance(update, str) else update.stderr.strip() or f"exit status {update.returncode}"
+        return True, f"requeued job {job}, but scontrol update ExcNodeList={excl} failed: {why}"
+    return True, f"requeued job {job} without {excl} (ExcNodeList={excl})"

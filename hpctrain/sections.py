@@ -80,6 +80,9 @@ class JobConfig:
     # hardware profile the planner checks the layout against before submission (hpctrain plan --gpu: a100-40g,
     # a100-80g, h100-sxm, h100-pcie, h200, b200, mi250x, mi300x, cpu); "": cpu when gpus_per_node = 0, else none
     gpu: str = ""
+    # `hpctrain doctor`'s checks on training's own groups, after the mesh and before the model; under Slurm a job
+    # with a failed node is requeued without it (hpctrain/doctor.py preflight)
+    preflight: bool = False
 
     def __post_init__(self) -> None:
         check_fields("job", self, one_line=True)

@@ -29,7 +29,7 @@ from hpctrain.config import Config, dump_toml
 from hpctrain.heartbeat import Heartbeat
 from hpctrain.plan import Plan, make_plan
 from hpctrain.preempt import PreemptionFlag, process_flag
-from hpctrain.watchdog import Limits, Peer, Watchdog
+from hpctrain.watchdog import Limits, Peer, Watchdog, keep_earlier_hang
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         s.heartbeat = Heartbeat(s.run_dir, ident.rank, {"host": ident.host, "node": ident.node_name,
                                                         "local_rank": ident.local_rank, "job_id": ident.job_id,
                                                         "launcher": ident.launcher})
+        if ident.rank == 0 and (kept := keep_earlier_hang(s.run_dir)) is not None:
+            log.warning("the earlier hang's files of this run directory moved to %s", kept)
         if p.hang_limits_s is not None:
             s.watchdog = Watchdog(s.heartbeat, s.run_dir, Limits(*p.hang_limits_s))
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",

@@ -377,6 +377,10 @@ class Trainer:
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:
     with session.start(cfg, run_dir) as s:
+        if cfg.job.preflight:
+            from hpctrain import doctor
+            if not doctor.preflight(s):
+                return s.summary  # a node failed: Slurm runs the job again without it, this attempt trains nothing
         if cfg.train.steps:
             s.summary["train"] = Trainer(cfg, s).fit()
     return s.summary

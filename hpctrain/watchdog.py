@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 LONG_PHASES = frozenset({"startup", "checkpoint", "eval"})
 REQUEST = "request"
+STALE_REQUEST_S = 2.0  # a request older than this rank's start by more than this (clock skew) is the last job's
 
 
 @dataclass(frozen=True)
@@ -124,32 +125,71 @@ class Watchdog:
             idle = now - self.hb.since
             if idle > limit:
                 self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} (limit {limit:g} s: {setting})", True)
-            elif request.exists():
+            elif request.exists() and self._asked(request):
                 self._hang(f"asked by another rank's watchdog ({request})", False)
 
     def _hang(self, reason: str, first: bool) -> None:
+        """Dumps what this rank knows, then ends the job, whatever fails on the way (a full file system, a log
+        handler whose stream is gone): the ending is in a finally."""
         t0 = time.monotonic()
         rendezvous.ENDING.set()  # from here this thread ends the job; the main thread's failures wait for it
         hb = self.hb
         where = f"step {hb.step}, phase {hb.phase}" + (f" ({hb.detail})" if hb.detail else "")
-        log.error("hang: %s at %s; stacks and the flight recorder go to %s, then the job ends", reason, where,
-                  self.run_dir / "hang")
-        try:
-            (self.run_dir / "hang").mkdir(exist_ok=True)
-            if first:
-                request = self.run_dir / "hang" / REQUEST
-                request.write_text(json.dumps({"rank": hb.rank, "reason": reason, "wall": time.time()}) + "\n")
-            dump_stacks(hang_path(self.run_dir, hb.rank), hb, reason, time.monotonic() - hb.since)
-            dump_flight_recorder(hang_path(self.run_dir, hb.rank, ".fr.json"))
-        except OSError as e:  # a full or vanished file system must not keep the job alive
-            log.error("hang dump of rank %d failed: %s", hb.rank, e)
-        hb.flush()
-        for h in logging.getLogger().handlers:
-            h.flush()
         message = (f"hang on rank {hb.rank}: {reason} at {where}; see {self.run_dir / 'hang'} and run "
                    f"`hpctrain diagnose {self.run_dir}`")
-        time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))  # not stop(): the job is ending
-        end_job(self.peers, self.run_dir, message)
+        try:
+            log.error("hang: %s at %s; stacks and the flight recorder go to %s, then the job ends", reason, where,
+                      self.run_dir / "hang")
+            (self.run_dir / "hang").mkdir(exist_ok=True)
+            if first:
+                write_request(self.run_dir, hb.rank, reason)
+            dump_stacks(hang_path(self.run_dir, hb.rank), hb, reason, time.monotonic() - hb.since)
+            dump_flight_recorder(hang_path(self.run_dir, hb.rank, ".fr.json"))
+            hb.flush()
+            for h in logging.getLogger().handlers:
+                h.flush()
+        except Exception as e:  # noqa: BLE001 - nothing may keep a hung job alive
+            print(f"hpctrain: hang dump of rank {hb.rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+        finally:
+            time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))  # not stop(): the job is ending
+            end_job(self.peers, self.run_dir, message)
+
+    def _asked(self, request: Path) -> bool:
+        """Another rank's request of this incarnation of the job (a requeued job finds the last one's)."""
+        try:
+            wall = json.loads(request.read_text()).get("wall")
+        except (OSError, ValueError, AttributeError):
+            return True  # unreadable: better one dump too many
+        return not isinstance(wall, (int, float)) or wall >= self.hb.facts.get("started", 0) - STALE_REQUEST_S
+
+
+def write_request(run_dir: Path, rank: int, reason: str) -> bool:
+    """hang/request, made by the first rank to trip only (O_EXCL); False when another rank's is there."""
+    try:
+        fd = os.open(Path(run_dir) / "hang" / REQUEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"rank": rank, "reason": reason, "wall": time.time()}) + "\n")
+    return True
+
+
+def keep_earlier_hang(run_dir: Path) -> Path | None:
+    """At the start of a job that runs again in its run directory (a requeue): the earlier hang's files move to
+    hang-<time of its request>/, so this incarnation's hang/ is its own. Rank 0 only."""
+    hang = Path(run_dir) / "hang"
+    if not hang.is_dir() or hang.is_symlink():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((hang / REQUEST).stat().st_mtime
+                                                            if (hang / REQUEST).is_file() else time.time()))
+    target = hang.with_name(f"hang-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = hang.with_name(f"hang-{stamp}-{n}")
+    hang.rename(target)
+    return target
 
 
 def dump_stacks(path: Path, hb: Heartbeat, reason: str, idle_s: float) -> None:

@@ -8,7 +8,8 @@
 #
 # Environment:
 #   HPCTRAIN_SLURM_DIR      state dir (config, logs, spool, pids)       default /tmp/hpctrain-slurm
-#   HPCTRAIN_SLURM_NODES    number of slurmd nodes (n1..nN)             default 2
+#   HPCTRAIN_SLURM_NODES    number of slurmd nodes (n1..nN)             default 3 (a 2-node job can move
+#                                                                        off a failed node: the preflight test)
 #   HPCTRAIN_SLURM_CPUS     CPUs advertised per node                     default 4
 #   HPCTRAIN_SLURM_PORT     slurmctld port; node i listens on PORT+i     default 6817
 #   HPCTRAIN_SLURM_TIMEOUT  seconds to wait for each readiness step      default 60
@@ -16,7 +17,7 @@
 set -euo pipefail
 
 STATE_DIR=$(realpath -m -- "${HPCTRAIN_SLURM_DIR:-/tmp/hpctrain-slurm}")
-NODES=${HPCTRAIN_SLURM_NODES:-2}
+NODES=${HPCTRAIN_SLURM_NODES:-3}
 CPUS=${HPCTRAIN_SLURM_CPUS:-4}
 BASE_PORT=${HPCTRAIN_SLURM_PORT:-6817}
 TIMEOUT=${HPCTRAIN_SLURM_TIMEOUT:-60}

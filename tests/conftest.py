@@ -34,7 +34,8 @@ def mpiexec() -> str:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> None:
-    """The local cluster from slurm/cluster.sh must answer with idle nodes n1 and n2."""
+    """The local cluster from slurm/cluster.sh must answer with nodes n1 and n2 (and n3, the spare the preflight
+    test moves a job to: a cluster brought up with 2 nodes fails that test, not this fixture)."""
     why = None
     if shutil.which("sinfo") is None:
         why = "no sinfo on PATH"

@@ -1,4 +1,4 @@
-"""Real Slurm tier: `hpctrain submit` against the local 2-node cluster (slurm/cluster.sh up).
+"""Real Slurm tier: `hpctrain submit` against the local cluster (slurm/cluster.sh up: 3 nodes, jobs of 2).
 
 Skipped when no cluster answers, except in CI where HPCTRAIN_REQUIRE_SLURM=1 turns that into a failure.
 """
@@ -48,8 +48,11 @@ def test_refusals_submit_nothing(slurm_cluster, tmp_path) -> None:
     assert nopart.returncode == 2 and "job.partition = 'gpu' does not exist" in nopart.stderr
     assert "debug" in nopart.stderr
     # a job the cluster could never run would pend forever: refused up front
-    toobig = hpctrain("submit", str(EXAMPLE), "--set", "job.nodes=3", "--set", f"job.run_root={tmp_path}")
-    assert toobig.returncode == 2 and "job.nodes = 3 but partition 'debug' has only 2 node(s)" in toobig.stderr
+    have = len(subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N"], capture_output=True, text=True,
+                              timeout=20).stdout.split())  # 3 by default (slurm/cluster.sh)
+    toobig = hpctrain("submit", str(EXAMPLE), "--set", f"job.nodes={have + 1}", "--set", f"job.run_root={tmp_path}")
+    assert toobig.returncode == 2, toobig.stdout + toobig.stderr
+    assert f"job.nodes = {have + 1} but partition 'debug' has only {have} node(s)" in toobig.stderr
     # an MPI plugin this site's srun does not have (it lists pmix_v4, not pmix_v3): every task would fail to start
     nompi = hpctrain("submit", str(EXAMPLE), "--set", "job.mpi=pmix_v3", "--set", f"job.run_root={tmp_path}")
     assert nompi.returncode == 2 and "job.mpi = 'pmix_v3' is not an MPI plugin of this site" in nompi.stderr

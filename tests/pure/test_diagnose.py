@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import hpctrain
 from hpctrain import diagnose, watchdog
 from hpctrain.heartbeat import Heartbeat
-
-from helpers import hpctrain
 
 NODES = ["n1", "n1", "n2", "n2"]  # tp=2 inside a node, dp=2 across: tp groups [0,1] [2,3], dp groups [0,2] [1,3]
 
@@ -50,7 +49,8 @@ def _stopped_rank_1(run: Path, fr: bool = True) -> None:
     """Rank 1 stopped in step 812's forward: its tp peer 0 waits in the tp all-reduce of that forward; ranks 2, 3
     wait in the dp gradient reduction, for 0 and 1 (they never got there)."""
     _beat(run, 1, 812, "forward")
-    history = [_entry(k, "mesh_tp", t=k) for k in range(1, 41)] + [_entry(k, "mesh_dp", t=100 + k) for k in range(1, 10)]
+    history = ([_entry(k, "mesh_tp", t=k) for k in range(1, 41)]
+               + [_entry(k, "mesh_dp", t=100 + k) for k in range(1, 10)])
     hb0 = _beat(run, 0, 812, "forward")
     _dump(run, hb0, history + [_entry(41, "mesh_tp", retired=False, t=200)] if fr else None)
     for r in (2, 3):

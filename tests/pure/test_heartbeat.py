@@ -124,6 +124,52 @@ def test_watchdog_trips_on_a_stale_phase(tmp_path, monkeypatch) -> None:
     assert header["threads"] and any("test_heartbeat.py" in f for f in frames), frames  # the main thread's stack
 
 
+def test_a_broken_log_handler_does_not_keep_the_job_alive(tmp_path, monkeypatch) -> None:
+    """Seen in the pure tier: a handler whose stream was closed raised in the hang path and the watchdog thread
+    died without ending the job. Whatever fails while dumping, the job still ends."""
+    import logging
+
+    class Gone:  # a captured stdout closed under the handler, as pytest's was
+        def write(self, text: str) -> None:
+            raise ValueError("I/O operation on closed file.")
+
+        def flush(self) -> None:
+            raise ValueError("I/O operation on closed file.")
+
+    handler = logging.StreamHandler(Gone())
+    logging.getLogger().addHandler(handler)
+    try:
+        dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
+        dog.long_until(1)
+        t0 = time.monotonic()
+        while not ended:
+            assert time.monotonic() - t0 < 20, "a failing handler kept the job alive"
+            time.sleep(0.05)
+        dog.stop()
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def test_requests_of_an_earlier_incarnation(tmp_path, monkeypatch) -> None:
+    """A requeued job finds the last hang's request: not a request to it. Its rank 0 moves the last hang's files
+    aside, and only the first rank to trip writes the request."""
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "request").write_text(json.dumps({"rank": 1, "wall": time.time() - 600}))
+    (tmp_path / "hang" / "rank00001.txt").write_text("old dump")
+    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=3, long_s=60), "forward")  # polls: 0.3 s
+    try:
+        time.sleep(1.5)
+        assert not ended and not watchdog.hang_path(tmp_path, 2).exists()
+    finally:
+        dog.stop()
+    kept = watchdog.keep_earlier_hang(tmp_path)
+    assert kept.name.startswith("hang-") and (kept / "rank00001.txt").read_text() == "old dump"
+    assert not (tmp_path / "hang").exists() and watchdog.keep_earlier_hang(tmp_path) is None
+    (tmp_path / "hang").mkdir()
+    assert watchdog.write_request(tmp_path, 3, "first") and not watchdog.write_request(tmp_path, 0, "second")
+    assert json.loads((tmp_path / "hang" / "request").read_text())["rank"] == 3
+
+
 def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch) -> None:
     limits = watchdog.Limits(step_s=0.3, long_s=60)
     dog, hb, ended = _dog(tmp_path, monkeypatch, limits, "checkpoint")
@@ -146,7 +192,7 @@ def test_watchdog_answers_another_ranks_request(tmp_path, monkeypatch) -> None:
     """A rank that is not stale itself dumps when another rank's watchdog asks."""
     dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=60, long_s=60), "forward")
     (tmp_path / "hang").mkdir(exist_ok=True)
-    (tmp_path / "hang" / "request").write_text('{"rank": 0}\n')
+    (tmp_path / "hang" / "request").write_text(json.dumps({"rank": 0, "wall": time.time()}) + "\n")
     t0 = time.monotonic()
     while not ended:
         assert time.monotonic() - t0 < 30, "the request was never answered"

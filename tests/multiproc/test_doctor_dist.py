@@ -1,0 +1,61 @@
+"""`hpctrain doctor` on real processes: 4 gloo ranks with torchrun's variables, 2 "nodes" of 2 on this host, one
+spawn running every case in turn (tests/workers/doctor_worker.py).
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_doctor_dist.py
+
+A healthy run passes with every communicator measured (tp = intra, dp = inter, world), results checked, both
+nodes' storage, clocks and environment; a node slowed 10x by the test switch (HPCTRAIN_DOCTOR_SLOW) fails and is
+named in the --exclude= line on every rank; job.preflight with that node, outside Slurm, fails the training job
+with the table before any model is built, and passes a healthy one into training.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from faults import record
+
+from helpers import spawn_cases
+
+CASES = [
+    {"name": "healthy", "kind": "doctor"},
+    {"name": "slowed", "kind": "doctor", "slow": "node1"},
+    {"name": "preflight_slowed", "kind": "train", "slow": "node0", "sets": ["job.preflight=true"]},
+    {"name": "preflight_healthy", "kind": "train", "sets": ["job.preflight=true"]},
+]
+
+
+def _seen(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_doctor_on_four_ranks(tmp_path) -> None:
+    spawn_cases("doctor_worker.py", tmp_path, CASES, run_id="doctor", world=4, ranks_per_node=2)
+
+    healthy = _seen(tmp_path, "healthy")
+    assert all(h["ok"] and h["exclude"] is None for h in healthy), healthy[0]
+    h = healthy[0]
+    assert [(g["axis"], g["aliases"], g["members"]) for g in h["groups"]] == [
+        ("tp", ["intra"], [0, 1]), ("tp", ["intra"], [2, 3]), ("dp", ["inter"], [0, 2]), ("dp", ["inter"], [1, 3]),
+        ("world", [], [0, 1, 2, 3])]
+    assert all(g["wrong"] == 0 and all(bw > 0 for bw in g["busbw"].values()) for g in h["groups"])
+    assert [n["node"] for n in h["nodes"]] == ["node0", "node1"]
+    assert all(n["storage"]["write_gbps"] > 0 and n["storage"]["read_gbps"] > 0 for n in h["nodes"])
+    assert all(abs(n["clock"]["offset_ms"]) < 50 for n in h["nodes"])  # one host, one clock
+    assert h["job"]["elapsed_s"] < 60 and (Path(h["run_dir"]) / "doctor.json").is_file()
+
+    slowed = _seen(tmp_path, "slowed")
+    assert all(s["failed_nodes"] == ["node1"] and s["exclude"] == "--exclude=node1" for s in slowed), slowed[0]
+    record("a node slowed 10x (HPCTRAIN_DOCTOR_SLOW), 4 ranks on 2 nodes", "hpctrain doctor fails it by the median "
+           "and names it in its --exclude= line on every rank", tier="unit")
+
+    failing = _seen(tmp_path, "preflight_slowed")
+    for f in failing:
+        assert "preflight failed: not a Slurm job: nothing to requeue" in f.get("raised", ""), f
+        assert "--exclude=node0" in f["raised"] and "FAIL gemm rank 0 on node0" in f["raised"]
+    assert not list((tmp_path / "preflight_slowed").glob("*/metrics.jsonl"))  # failed before any training step
+    record("job.preflight with a node slowed 10x, outside Slurm", "the training job fails on every rank with the "
+           "table and its --exclude= line before the model is built", tier="unit")
+
+    passing = _seen(tmp_path, "preflight_healthy")
+    assert all(p["summary"]["doctor"]["ok"] and p["summary"]["train"]["steps"] == 2 for p in passing), passing[0]

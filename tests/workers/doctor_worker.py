@@ -1,0 +1,43 @@
+"""One rank of tests/multiproc/test_doctor_dist.py (4 ranks with torchrun's variables, 2 "nodes" of 2 named
+node0 and node1): each case runs the doctor (doctor.run) or a training job with job.preflight, in one process,
+and writes what it saw to <out>/<case>-rank<r>.json."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+os.environ["SLURMD_NODENAME"] = f"node{os.environ['GROUP_RANK']}"  # the node names the doctor blames
+from helpers import EXAMPLE, each_case  # noqa: E402
+from hpctrain import doctor, session, train  # noqa: E402
+from hpctrain.config import load_config  # noqa: E402
+
+SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.steps=2", "train.log_every=1",
+         "checkpoint.at_end=false", "parallel.timeout_s=120"]
+
+
+def main(out: str, cases_json: str, base_port: int) -> None:
+    def case(c: dict) -> None:
+        os.environ.pop("HPCTRAIN_DOCTOR_SLOW", None)
+        os.environ.update({"HPCTRAIN_DOCTOR_SLOW": c["slow"]} if c.get("slow") else {})
+        cfg = load_config(EXAMPLE, SMALL + [f"job.run_root={out}/{c['name']}"] + c.get("sets", []))
+        seen: dict = {}
+        if c["kind"] == "doctor":
+            with session.start(cfg) as s:
+                report = doctor.run(s, doctor.Options(storage_mb=16))
+                seen = {k: report[k] for k in ("ok", "failed_nodes", "unattributed", "exclude", "job", "groups",
+                                               "nodes")}
+                seen["run_dir"] = str(s.run_dir)
+        else:  # a training job with job.preflight = true
+            try:
+                seen["summary"] = train.run(cfg)
+            except RuntimeError as e:
+                seen["raised"] = str(e)
+        Path(out, f"{c['name']}-rank{os.environ['RANK']}.json").write_text(json.dumps(seen, default=str))
+    each_case(out, cases_json, base_port, case)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
