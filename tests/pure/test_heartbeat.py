@@ -190,7 +190,7 @@ def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch
 
 def test_watchdog_answers_another_ranks_request(tmp_path, monkeypatch) -> None:
     """A rank that is not stale itself dumps when another rank's watchdog asks."""
-    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=60, long_s=60), "forward")
+    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=5, long_s=60), "forward")  # polls: 0.5 s
     (tmp_path / "hang").mkdir(exist_ok=True)
     (tmp_path / "hang" / "request").write_text(json.dumps({"rank": 0, "wall": time.time()}) + "\n")
     t0 = time.monotonic()
