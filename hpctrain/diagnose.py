@@ -4,7 +4,8 @@
     print(format_report(report))
 
 Inputs, none of them trusted (sizes checked, never unpickled, nothing followed out of RUN_DIR):
-    heartbeat/rankNNNNN.hb      each rank's last step and phase and its fixed facts (host, node, mesh coordinates)
+    heartbeat/rankNNNNN.hb      each rank's last step and phase and its fixed facts (host, node, mesh coordinates);
+                                hang/heartbeat/ holds them as the hang left them, when the first rank kept them
     hang/request                which rank's watchdog saw the hang first, and why
     hang/rankNNNNN.txt          each live rank's stacks at the hang
     hang/rankNNNNN.fr.json      each live rank's flight recorder: its collectives in flight, per group
@@ -45,6 +46,7 @@ class Rank:
     last_seq: dict[str, int] = field(default_factory=dict)  # group description -> highest sequence number seen
     has_fr: bool = False
     log_error: str = ""
+    late_s: float | None = None  # a dump made this long after the ranks had to answer: not counted
 
     @property
     def node(self) -> str:
@@ -160,7 +162,9 @@ def load(run_dir: Path) -> tuple[dict[int, Rank], list[str]]:
     """Every rank's heartbeat, hang dump, flight recorder and first log error; and the problems met reading them."""
     problems: list[str] = []
     by_rank: dict[int, Rank] = {}
-    for path in sorted((run_dir / "heartbeat").glob("rank*.hb")):
+    kept = run_dir / "hang" / "heartbeat"  # the heartbeats as the hang left them, when the first rank kept them
+    beats = kept if kept.is_dir() and not kept.is_symlink() else run_dir / "heartbeat"
+    for path in sorted(beats.glob("rank*.hb")):
         beat = heartbeat.read(path)
         if "error" in beat or path.name != heartbeat.heartbeat_path("", beat.get("rank", -1)).name:
             problems.append(f"heartbeat/{path.name}: {beat.get('error', 'named for another rank')}")
@@ -215,6 +219,8 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     by_rank, problems = load(run_dir)
     world = max([*by_rank, -1]) + 1
     request = _read_text(run_dir / "hang" / REQUEST, 4096)
+    if request is not None:
+        _drop_late_dumps(by_rank, request)
     if not by_rank:
         return {"kind": "unknown", "lines": [f"{run_dir} holds no heartbeats, hang dumps or logs of ranks"],
                 "culprits": [], "files": [], "problems": problems}
@@ -224,6 +230,26 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
         out = _ended(run_dir, by_rank)
     out["problems"] = problems
     return out
+
+
+LATE_MARGIN_S = 0.5  # past the request's grace, when its maker stops waiting (clocks of hosts differ a little)
+
+
+def _drop_late_dumps(by_rank: dict[int, Rank], request: str) -> None:
+    """A rank whose dump came after the others had to answer, or whose watchdog had been frozen just before it,
+    was not answering then: stopped (Slurm's SIGCONT at the end or requeue of the job woke it) or stuck. Its dump
+    does not count as one made in time."""
+    try:
+        req = json.loads(request)
+        deadline = float(req["wall"]) + float(req.get("grace_s", 0)) + LATE_MARGIN_S
+    except (ValueError, KeyError, TypeError):
+        return
+    for r in by_rank.values():
+        wall, frozen = (r.dump or {}).get("wall"), (r.dump or {}).get("frozen_s")
+        late = isinstance(wall, (int, float)) and wall > deadline
+        if late or (isinstance(frozen, (int, float)) and frozen > 0):
+            r.late_s = max(wall - deadline + LATE_MARGIN_S if late else 0.0, frozen or 0.0)
+            r.dump, r.main_stack, r.in_flight, r.last_seq, r.has_fr = None, [], None, {}, False
 
 
 def _hang(run_dir: Path, by_rank: dict[int, Rank], world: int, request: str) -> dict[str, Any]:
@@ -263,8 +289,10 @@ def _hang(run_dir: Path, by_rank: dict[int, Rank], world: int, request: str) -> 
     for c in sorted(culprits):
         r = by_rank.get(c) or Rank(c)
         if r.dump is None:
-            lines.append(f"{who([c], by_rank)} last seen in {_position(r)}; it left no hang dump: stopped, dead, "
-                         f"or stuck where Python cannot run")
+            late = (f" in time (its watchdog could not run for {r.late_s:.0f} s: it was woken afterwards)"
+                    if r.late_s else "")
+            lines.append(f"{who([c], by_rank)} last seen in {_position(r)}; it left no hang dump{late}: stopped, "
+                         f"dead, or stuck where Python cannot run")
         else:
             where = " < ".join(r.main_stack[:3]) or "?"
             lines.append(f"{who([c], by_rank)} was busy in {_position(r)}, in no collective (main thread: {where})")
@@ -279,7 +307,8 @@ def _hang(run_dir: Path, by_rank: dict[int, Rank], world: int, request: str) -> 
         lines.append(f"{who(ranks, by_rank)} waited {what}{ctx}" +
                      (f" for {who(target, by_rank)}" if target else ""))
     files = [str(p.relative_to(run_dir)) for p in sorted((run_dir / "hang").iterdir()) if p.is_file()]
-    files += [f"heartbeat/rank{c:05d}.hb" for c in sorted(culprits)]
+    beats = "hang/heartbeat" if (run_dir / "hang" / "heartbeat").is_dir() else "heartbeat"
+    files += [f"{beats}/rank{c:05d}.hb" for c in sorted(culprits)]
     files += [f"logs/rank{c:05d}.log" for c in sorted(culprits) if (run_dir / "logs" / f"rank{c:05d}.log").exists()]
     return {"kind": "hang", "lines": lines, "culprits": _culprit_rows(culprits, by_rank), "files": files,
             "waiting": {str(r): {"op": op, "group": axis, "seq": seq, "for": sorted(waits[r])}

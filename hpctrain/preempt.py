@@ -12,13 +12,12 @@ the rank. session.start hands it to the payload as Session.preempt.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.hostlist import compress, expand
 
@@ -84,15 +83,23 @@ def process_flag() -> PreemptionFlag:
     return _process_flag
 
 
-def _scontrol(*args: str) -> subprocess.CompletedProcess | str:
-    """scontrol's answer, or why there was none (not on PATH, not runnable, no answer in 60 s)."""
+def _scontrol(*args: str, ignore_term: bool = False) -> subprocess.CompletedProcess | str:
+    """scontrol's answer, or why there was none (not on PATH, not runnable, no answer in 60 s). ignore_term: the
+    command starts with SIGTERM ignored (set by a shell trap and kept across exec; a handler would not be), so the
+    SIGTERM Slurm sends the job's processes at a requeue does not kill it; from any thread (the hang watchdog's
+    too), since this process's own handlers are left alone."""
+    cmd = ["scontrol", *args]
+    if ignore_term:
+        cmd = ["sh", "-c", 'trap "" TERM; exec scontrol "$@"', "scontrol", *args]
     try:
-        return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         return "no scontrol on PATH (a container without the Slurm client?)"
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"scontrol {' '.join(args)} failed: {e}"
+    if ignore_term and out.returncode == 127:  # the shell's "not found"
+        return "no scontrol on PATH (a container without the Slurm client?)"
+    return out
 
 
 def slurm_job_id() -> str | None:
@@ -103,7 +110,7 @@ def slurm_job_id() -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def requeue() -> str:
+def requeue(ignore_term: bool = False) -> str:
     """Puts this Slurm job back in the queue (it restarts with the same job id and run directory) unless Slurm is
     ending it already; returns one line saying what happened (the caller logs it, after the checkpoint is
     committed, so nothing here may raise).
@@ -117,7 +124,7 @@ def requeue() -> str:
     if not job:
         return "not a Slurm job: nothing to requeue (rerun the same command to resume)"
     resume = "submit the same config with train.resume=<run dir> to resume from the committed checkpoint"
-    show = _scontrol("show", "job", "-o", job)
+    show = _scontrol("show", "job", "-o", job, ignore_term=ignore_term)
     if isinstance(show, str) or show.returncode:
         why = show if isinstance(show, str) else f"scontrol show job {job}: {show.stderr.strip()}"
         return f"job {job} not requeued: {why}; {resume}"
@@ -127,7 +134,7 @@ def requeue() -> str:
     if state != "RUNNING":
         return (f"job {job} not requeued: Slurm is ending it (JobState={state} Reason={reason}: a user's scancel, "
                 f"or the time limit); {resume}")
-    out = _scontrol("requeue", job)
+    out = _scontrol("requeue", job, ignore_term=ignore_term)
     if isinstance(out, str) or out.returncode:
         why = out if isinstance(out, str) else out.stderr.strip()
         return f"job {job} not requeued: scontrol requeue {job} failed: {why}; {resume}"
@@ -167,33 +174,22 @@ def usable_nodes(partition: str) -> list[str] | str:
     return list(dict.fromkeys(name for name, state in rows if state in USABLE_STATES))
 
 
-@contextlib.contextmanager
-def _term_ignored() -> Iterator[None]:
-    """SIGTERM ignored by this process and the commands it starts meanwhile (an ignored signal stays ignored across
-    exec; a handler does not). Main thread only."""
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def requeue_excluding(nodes: list[str]) -> tuple[bool, str]:
     """Requeues this running job (requeue(): only while it is RUNNING) with ExcNodeList = nodes; (requeued, one line
     saying what happened). Measured on Slurm 22.05: ExcNodeList is refused on a running job ("Job is no longer
     pending execution") but accepted right after `scontrol requeue`, while the job is COMPLETING, and it cannot start
     again before this process, one of its own, has ended: so requeue, then update, with no window. Slurm sends the
     job's processes SIGTERM at the requeue: the scontrol commands start with it ignored, or the update would die
-    with them (seen). Not `requeuehold` + `release`: a release that came too early, or died so, left the job held
-    for good (seen). If the update fails the job runs again, maybe on the same node: the caller bounds the
-    requeues. Here the job ran again on another node ~15 s later (cred_expire=10)."""
+    with them (seen); this process keeps its handlers (the preemption flag takes the signal), so any thread may
+    call it (the hang watchdog does). Not `requeuehold` + `release`: a release that came too early, or died so,
+    left the job held for good (seen). If the update fails the job runs again, maybe on the same node: the caller
+    bounds the requeues. Here the job ran again on another node ~15 s later (cred_expire=10)."""
     job = slurm_job_id()
-    with _term_ignored():
-        said = requeue()
-        if said != f"requeued job {job}":
-            return False, said
-        excl = compress(nodes)
-        update = _scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
+    said = requeue(ignore_term=True)
+    if said != f"requeued job {job}":
+        return False, said
+    excl = compress(nodes)
+    update = _scontrol("update", f"JobId={job}", f"ExcNodeList={excl}", ignore_term=True)
     if isinstance(update, str) or update.returncode:
         why = update if isinstance(update, str) else update.stderr.strip() or f"exit status {update.returncode}"
         return True, f"requeued job {job}, but scontrol update ExcNodeList={excl} failed: {why}"

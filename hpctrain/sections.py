@@ -83,6 +83,10 @@ class JobConfig:
     # `hpctrain doctor`'s checks on training's own groups, after the mesh and before the model; under Slurm a job
     # with a failed node is requeued without it (hpctrain/doctor.py preflight)
     preflight: bool = False
+    # after a hang, the first rank to see it requeues the Slurm job without the nodes of ranks that left no hang dump
+    # (stopped, dead, stuck in the kernel), at most this many times per run; it resumes from its last checkpoint
+    # (hpctrain/hangrequeue.py); 0: a hung job just ends
+    hang_requeues: int = 1
 
     def __post_init__(self) -> None:
         check_fields("job", self, one_line=True)
@@ -90,7 +94,8 @@ class JobConfig:
                f"job.name = {self.name!r} may only hold letters, digits, '_', '.', '-'")
         one_of("job", "executor", self.executor, ("auto", "slurm", "local"))
         positive("job", self, "nodes", "tasks_per_node", "cpus_per_task", "time_min")
-        positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", allow_zero=True)
+        positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", "hang_requeues",
+                 allow_zero=True)
         ranks = self.nodes * self.tasks_per_node
         check(ranks <= MAX_WORLD_SIZE, f"job.nodes = {self.nodes} x job.tasks_per_node = {self.tasks_per_node} = "
                f"{ranks} ranks, more than the {MAX_WORLD_SIZE} hpctrain plans for")

@@ -71,6 +71,21 @@ def _agree_run_dir(cfg: Config, run_dir: Path | None, rank: int) -> Path:
     return box[0]
 
 
+def _keep_earlier_hang(run_dir: Path, rank: int) -> None:
+    """A requeued job's rank 0 moves the last hang's files aside before any rank truncates its heartbeat (the
+    broadcast is the wait); a failure to move them is said, not fatal."""
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            kept = keep_earlier_hang(run_dir)
+            box[0] = f"the earlier hang's files moved to {kept}" if kept else None
+        except OSError as e:
+            box[0] = f"the earlier hang's files could not be moved aside: {e}"
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0 and box[0]:
+        log.warning("%s", box[0])
+
+
 def cpu_threads(ranks_on_host: int) -> int:
     """Intra-op threads per rank: OMP_NUM_THREADS when set, else the CPUs this process may run on (its affinity
     mask, not the host's count: Slurm, cgroups and containers narrow it), shared with the host's other ranks.
@@ -164,11 +179,10 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank),
                     preempt=flag)
         runs.setup_logging(s.run_dir, ident.rank)
+        _keep_earlier_hang(s.run_dir, ident.rank)
         s.heartbeat = Heartbeat(s.run_dir, ident.rank, {"host": ident.host, "node": ident.node_name,
                                                         "local_rank": ident.local_rank, "job_id": ident.job_id,
                                                         "launcher": ident.launcher})
-        if ident.rank == 0 and (kept := keep_earlier_hang(s.run_dir)) is not None:
-            log.warning("the earlier hang's files of this run directory moved to %s", kept)
         if p.hang_limits_s is not None:
             s.watchdog = Watchdog(s.heartbeat, s.run_dir, Limits(*p.hang_limits_s))
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain import data, evaluate, hfconfig, metrics, mutations, optim, preempt, session, stragglers
+from hpctrain import data, evaluate, hangrequeue, hfconfig, metrics, mutations, optim, preempt, session, stragglers
 from hpctrain.checkpoint import hf_import
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.checkpointer import Checkpointer, Progress, Saved
@@ -377,6 +378,9 @@ class Trainer:
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:
     with session.start(cfg, run_dir) as s:
+        if s.watchdog is not None and cfg.job.hang_requeues:  # a hung training job goes on without its bad nodes
+            s.watchdog.on_end = functools.partial(hangrequeue.after_hang, s.run_dir, cfg.job.hang_requeues,
+                                                  s.ident.num_nodes)
         if cfg.job.preflight:
             from hpctrain import doctor
             if not doctor.preflight(s):

@@ -29,6 +29,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -36,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpctrain import rendezvous
 from hpctrain.heartbeat import Heartbeat
@@ -97,6 +98,9 @@ class Watchdog:
         self.hb, self.limits = hb, limits
         self.run_dir = Path(run_dir)
         self.peers = peers or []
+        # called by the first rank to trip once every live rank has dumped, before the job ends (the trainer's:
+        # hangrequeue.after_hang); returns one line to log
+        self.on_end: Callable[[], str] | None = None
         self.long_until_step = 1  # steps up to this one (and start-up before them) have the long limit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
@@ -116,23 +120,29 @@ class Watchdog:
 
     def _watch(self) -> None:
         request = self.run_dir / "hang" / REQUEST
-        flushed = time.monotonic()
+        flushed = last = time.monotonic()
         while not self._stop.wait(self.limits.poll_s):
             now = time.monotonic()
+            # this thread could not run for a while: the process was stopped (SIGSTOP, until Slurm's SIGCONT) or
+            # something held the GIL; a hang seen right after is not this rank's answer in time
+            frozen = now - last - self.limits.poll_s if now - last > 3 * self.limits.poll_s + 1 else 0.0
+            last = now
             if now - flushed >= 5.0:
                 self.hb.flush()
                 flushed = now
             limit, setting = self.limit()
             idle = now - self.hb.since
             if idle > limit:
-                self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} (limit {limit:g} s: {setting})", True)
+                self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} (limit {limit:g} s: {setting})", True,
+                           frozen)
             elif request.exists() and self._asked(request):
-                self._hang(f"asked by another rank's watchdog ({request})", False)
+                self._hang(f"asked by another rank's watchdog ({request})", False, frozen)
 
-    def _hang(self, reason: str, first: bool) -> None:
+    def _hang(self, reason: str, first: bool, frozen_s: float = 0.0) -> None:
         """Dumps what this rank knows, then ends the job, whatever fails on the way (a full file system, a log
         handler whose stream is gone): the ending is in a finally."""
         t0 = time.monotonic()
+        initiator = False
         rendezvous.ENDING.set()  # from here this thread ends the job; the main thread's failures wait for it
         hb = self.hb
         where = f"step {hb.step}, phase {hb.phase}" + (f" ({hb.detail})" if hb.detail else "")
@@ -142,9 +152,8 @@ class Watchdog:
             log.error("hang: %s at %s; stacks and the flight recorder go to %s, then the job ends", reason, where,
                       self.run_dir / "hang")
             (self.run_dir / "hang").mkdir(exist_ok=True)
-            if first:
-                write_request(self.run_dir, hb.rank, reason)
-            dump_stacks(hang_path(self.run_dir, hb.rank), hb, reason, time.monotonic() - hb.since)
+            initiator = first and write_request(self.run_dir, hb.rank, reason, self.limits.grace_s)
+            dump_stacks(hang_path(self.run_dir, hb.rank), hb, reason, time.monotonic() - hb.since, frozen_s)
             dump_flight_recorder(hang_path(self.run_dir, hb.rank, ".fr.json"))
             hb.flush()
             for h in logging.getLogger().handlers:
@@ -154,6 +163,15 @@ class Watchdog:
                   flush=True)
         finally:
             time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))  # not stop(): the job is ending
+            if initiator:
+                snapshot_heartbeats(self.run_dir)
+            if initiator and self.on_end is not None:
+                try:
+                    said = self.on_end()
+                    message += f"; {said}"
+                    print(f"hpctrain: after the hang: {said}", file=sys.stderr, flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"hpctrain: after the hang: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             end_job(self.peers, self.run_dir, message)
 
     def _asked(self, request: Path) -> bool:
@@ -165,42 +183,64 @@ class Watchdog:
         return not isinstance(wall, (int, float)) or wall >= self.hb.facts.get("started", 0) - STALE_REQUEST_S
 
 
-def write_request(run_dir: Path, rank: int, reason: str) -> bool:
-    """hang/request, made by the first rank to trip only (O_EXCL); False when another rank's is there."""
+def write_request(run_dir: Path, rank: int, reason: str, grace_s: float = 0.0) -> bool:
+    """hang/request, made by the first rank to trip only (O_EXCL); False when another rank's is there. It says
+    how long the ranks have to answer (grace_s): a dump made much later came from a rank that was stopped then
+    (Slurm sends SIGCONT when it ends or requeues a job), and diagnose does not count it."""
     try:
         fd = os.open(Path(run_dir) / "hang" / REQUEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"rank": rank, "reason": reason, "wall": time.time()}) + "\n")
+        f.write(json.dumps({"rank": rank, "reason": reason, "wall": time.time(), "grace_s": grace_s}) + "\n")
     return True
 
 
+def snapshot_heartbeats(run_dir: Path) -> None:
+    """Every rank's heartbeat as the hang left it, into hang/heartbeat/ (the first rank to trip, once the others
+    had their time to dump): what a woken rank or a requeued job writes later does not blur it."""
+    target = Path(run_dir) / "hang" / "heartbeat"
+    try:
+        target.mkdir(exist_ok=True)
+        for path in (Path(run_dir) / "heartbeat").glob("rank*.hb"):
+            if path.is_file() and not path.is_symlink():
+                shutil.copyfile(path, target / path.name)
+    except OSError as e:
+        print(f"hpctrain: heartbeats not kept with the hang: {e}", file=sys.stderr, flush=True)
+
+
 def keep_earlier_hang(run_dir: Path) -> Path | None:
-    """At the start of a job that runs again in its run directory (a requeue): the earlier hang's files move to
-    hang-<time of its request>/, so this incarnation's hang/ is its own. Rank 0 only."""
-    hang = Path(run_dir) / "hang"
+    """At the start of a job that runs again in its run directory (a requeue), before any rank opens its heartbeat:
+    the earlier hang's files and the heartbeats they go with move to hang-<time of its request>/ (hang/,
+    heartbeat/), which `hpctrain diagnose` reads as a run directory of its own; this incarnation's are its own.
+    Rank 0 only."""
+    run_dir = Path(run_dir)
+    hang = run_dir / "hang"
     if not hang.is_dir() or hang.is_symlink():
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((hang / REQUEST).stat().st_mtime
                                                             if (hang / REQUEST).is_file() else time.time()))
-    target = hang.with_name(f"hang-{stamp}")
+    target = run_dir / f"hang-{stamp}"
     n = 1
     while target.exists():
         n += 1
-        target = hang.with_name(f"hang-{stamp}-{n}")
-    hang.rename(target)
+        target = run_dir / f"hang-{stamp}-{n}"
+    target.mkdir()
+    hang.rename(target / "hang")
+    beats = run_dir / "heartbeat"
+    if beats.is_dir() and not beats.is_symlink():
+        beats.rename(target / "heartbeat")
     return target
 
 
-def dump_stacks(path: Path, hb: Heartbeat, reason: str, idle_s: float) -> None:
+def dump_stacks(path: Path, hb: Heartbeat, reason: str, idle_s: float, frozen_s: float = 0.0) -> None:
     """Every thread's stack into `path`, under a header a reader (hpctrain diagnose) can parse."""
     names = {t.ident: t.name for t in threading.enumerate()}
     with path.open("w") as f:
         header = {"rank": hb.rank, "host": socket.gethostname(), "node": hb.facts.get("node"), "pid": os.getpid(),
-                  "step": hb.step,
-                  "phase": hb.phase, "detail": hb.detail, "idle_s": round(idle_s, 1), "reason": reason,
-                  "wall": round(time.time(), 3), "threads": {f"0x{k:016x}": v for k, v in names.items() if k}}
+                  "step": hb.step, "phase": hb.phase, "detail": hb.detail, "idle_s": round(idle_s, 1),
+                  "frozen_s": round(frozen_s, 1), "reason": reason, "wall": round(time.time(), 3),
+                  "threads": {f"0x{k:016x}": v for k, v in names.items() if k}}
         f.write("# hpctrain hang dump " + json.dumps(header) + "\n")
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)

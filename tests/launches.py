@@ -126,10 +126,10 @@ def mpi_train(root: Path, n: int, *values: str) -> list[str]:
 
 
 def hang_run(launch: Launch, env_key: bytes, root: Path, world: int, culprit: int, stopped: bool,
-             cancel: list[str] | None = None) -> tuple[float | None, dict[int, int]]:
+             cancel: list[str] | None = None, finish_s: float = 120) -> tuple[float | None, dict[int, int]]:
     """Follows a launch whose rank `culprit` stops (SIGSTOP) or falls asleep in a step: waits for every rank's
     process, for the culprit's stop (or its heartbeat in the step), then for every process to be gone. Returns
-    (seconds from the stop until all were gone, or None; {rank: pid})."""
+    (seconds from the stop until all were gone, or None; {rank: pid}); the launcher gets finish_s more to end."""
     pids: dict[int, int] = {}
     try:
         pids = wait_for_pids(env_key, str(root), world, timeout_s=120)
@@ -138,7 +138,7 @@ def hang_run(launch: Launch, env_key: bytes, root: Path, world: int, culprit: in
             assert time.monotonic() - t0 < 180, f"rank {culprit} never reached its fault:\n{launch.output[-3000:]}"
             time.sleep(0.05)
         gone = wait_gone(list(pids.values()), HANG_S + GONE_MARGIN_S + 20)
-        launch.proc.wait(timeout=120)
+        launch.proc.wait(timeout=finish_s)
         return gone, pids
     finally:
         if cancel and launch.proc.poll() is None:
@@ -159,7 +159,7 @@ def check_hang(root: Path, world: int, culprit: int, node: str | None = None) ->
     (a sleeping one dumps too), and `hpctrain diagnose` naming the culprit (and its node) and the others' waits.
     Returns diagnose's JSON."""
     (run,) = [p for p in root.iterdir() if p.is_dir()]
-    hang = run / "hang"
+    hang = run / "hang"  # the last hang of the run; a requeued job's earlier ones are in hang-<time>/
     dumped = sorted(int(p.name[4:9]) for p in hang.glob("rank*.txt"))
     others = [r for r in range(world) if r != culprit]
     assert set(others) <= set(dumped), f"stack dumps of ranks {dumped}, expected every live rank of {others}"

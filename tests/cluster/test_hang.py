@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 from faults import record
@@ -44,28 +45,45 @@ def test_hung_rank_mpiexec(mpiexec, tmp_path, action) -> None:
 
 
 @pytest.mark.slurm
-def test_hung_rank_slurm(slurm_cluster, tmp_path) -> None:
-    """2 nodes x 2 tasks: rank 2 (the first rank of n2) stops in step 3's forward."""
+def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> None:
+    """2 nodes x 2 tasks on the 3-node cluster: rank 2 (the first rank of n2) stops in its first step's forward
+    (the long limit, 20 s here). The job is requeued without n2 (job.hang_requeues = 1) and runs again on n1 and
+    n3, where rank 2 stops again: that hang ends the job (the limit), and submit --wait exits 1. Both hangs are
+    named, each with its node. (Slurm wakes the stopped rank with SIGCONT at the requeue: its late dump must not
+    count.)"""
     root = tmp_path / "runs"
+    long_s = 20
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
-                     *sets(f"job.run_root={root}", "job.wait_timeout_s=30", *HANG_SETS)],
-                    {"HPCTRAIN_FAULT": "SIGSTOP:2:forward3"})
+                     *sets(f"job.run_root={root}", "job.wait_timeout_s=30", *HANG_SETS,
+                           f"parallel.startup_timeout_s={long_s}")],
+                    {"HPCTRAIN_FAULT": "SIGSTOP:2:forward"})
     launch.wait_for(r"submitted job \d+", 60)
     job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
-    gone, _ = hang_run(launch, b"SLURM_PROCID", root, 4, culprit=2, stopped=True, cancel=["scancel", job_id])
-    assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
+    gone, _ = hang_run(launch, b"SLURM_PROCID", root, 4, culprit=2, stopped=True, cancel=["scancel", job_id],
+                       finish_s=240)
+    assert gone is not None and gone < long_s + GONE_MARGIN_S, (gone, launch.output[-3000:])
     assert launch.proc.returncode == 1 and "hang on rank" in launch.output, launch.output[-3000:]
-    report = check_hang(root, 4, culprit=2, node="n2")
-    assert any("n1" in line and "waited in" in line for line in report["lines"]), report["lines"]
-    record("rank 2 stopped (SIGSTOP) inside step 3's forward (Slurm, 2 nodes x 2 tasks)",
-           f"the watchdog ({HANG_S} s) dumps ranks 0, 1, 3; MPI_Abort and srun end all 4 tasks; submit --wait "
-           "exits 1 with the hang; diagnose names rank 2 on n2", gone, "slurm")
+    run = only_run_dir(root)
+    history = [json.loads(line) for line in (run / "hang.jsonl").read_text().splitlines()]
+    assert [h["requeued"] for h in history] == [True, False] and history[0]["nodes"] == ["n2"], history
+    assert "ExcNodeList=n2" in history[0]["why"] and "job.hang_requeues = 1" in history[1]["why"], history
+    (earlier,) = run.glob("hang-*")  # the first hang's files and heartbeats, moved aside by the second incarnation
+    first = subprocess.run([tool("hpctrain"), "diagnose", str(earlier), "--json"], capture_output=True, text=True,
+                           timeout=60, env=env_with_venv())
+    culprits = json.loads(first.stdout)["culprits"]
+    assert [(c["rank"], c["node"], c["dumped"]) for c in culprits] == [(2, "n2", False)], first.stdout
+    report = check_hang(root, 4, culprit=2, node="n3")  # the second hang: n2 was excluded
+    assert any("waited in" in line and "n1" in line for line in report["lines"]), report["lines"]
+    record("rank 2 stopped (SIGSTOP) inside its first step's forward, twice (Slurm, 2 nodes x 2 tasks, 3 nodes)",
+           f"the watchdog ({long_s} s: the first step's limit) dumps ranks 0, 1, 3; the job is requeued without n2 "
+           "and runs again on n1, n3; the second hang ends it (job.hang_requeues = 1); submit --wait exits 1; "
+           "diagnose names rank 2 on n2, then on n3", gone, "slurm")
 
 
 @pytest.mark.slurm
 def test_straggler_named_with_its_node_slurm(slurm_cluster, tmp_path) -> None:
     """Rank 3 (on n2) sleeps 0.3 s in every step; dp=4 across 2 nodes: the report names rank 3 and n2."""
-    import subprocess
+
     out = subprocess.run([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                           *sets(f"job.run_root={tmp_path}", "train.steps=9", "train.log_every=3",
                                 "checkpoint.at_end=false", "data.source=synthetic", "model.n_layers=1",

@@ -164,3 +164,70 @@ def test_nccl_and_gloo_count_apart(tmp_path) -> None:
     _request(tmp_path, 0)
     report = diagnose.diagnose(tmp_path)
     assert report["waiting"]["0"]["for"] == [2] and [c["rank"] for c in report["culprits"]] == [2], report
+
+
+def _fake_slurm(tmp_path: Path, monkeypatch, nodes: str = "n1 idle\nn2 idle\nn3 idle") -> Path:
+    """Stand-ins for scontrol (logs each call) and sinfo (lists `nodes`), job 77 in partition debug."""
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/sh\necho \"$*\" >> {calls}\n"
+        "[ \"$1\" = show ] && echo 'JobId=77 JobName=x JobState=RUNNING Reason=None ExcNodeList=(null)'\nexit 0\n")
+    (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf '{nodes}\\n'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_PARTITION", "debug")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    return calls
+
+
+def test_a_hung_job_is_requeued_without_the_silent_ranks_node(tmp_path, monkeypatch) -> None:
+    from hpctrain import hangrequeue
+    run = tmp_path / "run"
+    run.mkdir()
+    _stopped_rank_1(run)
+    calls = _fake_slurm(tmp_path, monkeypatch)
+    said = hangrequeue.after_hang(run, limit=1, num_nodes=2)
+    assert said == "requeued job 77 without n1 (ExcNodeList=n1)", said
+    assert calls.read_text().splitlines()[-2:] == ["requeue 77", "update JobId=77 ExcNodeList=n1"]
+    again = hangrequeue.after_hang(run, limit=1, num_nodes=2)  # the requeued job hung too: the limit
+    assert again.startswith("not requeued: job.hang_requeues = 1") and calls.read_text().count("requeue 77") == 1
+    history = [json.loads(line) for line in (run / "hang.jsonl").read_text().splitlines()]
+    assert [h["requeued"] for h in history] == [True, False] and history[0]["nodes"] == ["n1"]
+    assert history[0]["culprits"][0] == {"rank": 1, "node": "n1", "step": 812, "phase": "forward", "dumped": False}
+
+
+def test_hangs_that_are_not_a_nodes_fault_end_the_job(tmp_path, monkeypatch) -> None:
+    from hpctrain import hangrequeue
+    busy, silent = tmp_path / "busy", tmp_path / "silent"
+    busy.mkdir()
+    silent.mkdir()
+    hist = [_entry(k, "mesh_tp") for k in range(1, 9)]  # rank 3 alive and busy, rank 2 waits for it
+    _dump(busy, _beat(busy, 3, 5, "forward"), hist)
+    _dump(busy, _beat(busy, 2, 5, "forward"), hist + [_entry(9, "mesh_tp", retired=False)])
+    _request(busy, 2)
+    _stopped_rank_1(silent)
+    calls = _fake_slurm(tmp_path, monkeypatch, nodes="n1 idle\nn2 idle\nn3 down")
+    assert "every culprit was alive" in hangrequeue.after_hang(busy, limit=1, num_nodes=2)
+    left = hangrequeue.after_hang(silent, limit=1, num_nodes=2)  # without n1 only n2 is usable: too few
+    assert left.startswith("not requeued: excluding n1 would leave 1 usable node(s)"), left
+    assert "requeue" not in calls.read_text()
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert hangrequeue.after_hang(silent, limit=1, num_nodes=2).startswith("not a Slurm job")
+
+
+def test_a_dump_from_a_woken_rank_does_not_count(tmp_path) -> None:
+    """Slurm sends SIGCONT when it ends or requeues a job: the stopped rank wakes, its watchdog (frozen until then)
+    dumps too. That dump came too late to be an answer: the rank is still the one that stopped the job."""
+    _stopped_rank_1(tmp_path)
+    req = json.loads((tmp_path / "hang" / "request").read_text())
+    (tmp_path / "hang" / "request").write_text(json.dumps(req | {"wall": time.time() - 2, "grace_s": 3.8}))
+    hb1 = _beat(tmp_path, 1, 812, "forward")
+    watchdog.dump_stacks(watchdog.hang_path(tmp_path, 1), hb1, "no progress for 9 s", 9.0, frozen_s=6.2)
+    watchdog.hang_path(tmp_path, 1, ".fr.json").write_text(json.dumps({"fr": {"entries": [_entry(41, "mesh_tp")]}}))
+    report = diagnose.diagnose(tmp_path)
+    assert [(c["rank"], c["dumped"]) for c in report["culprits"]] == [(1, False)], report["lines"]
+    assert "its watchdog could not run for 6 s" in report["lines"][1], report["lines"][1]

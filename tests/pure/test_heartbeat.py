@@ -111,12 +111,14 @@ def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int =
 def test_watchdog_trips_on_a_stale_phase(tmp_path, monkeypatch) -> None:
     dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.5, long_s=30), "collective")
     dog.long_until(1)
+    dog.on_end = lambda: "requeued job 77 without n9"  # the first rank to trip runs it (hangrequeue.after_hang)
     t0 = time.monotonic()
     while not ended:
         assert time.monotonic() - t0 < 20, "the watchdog never tripped"
         time.sleep(0.05)
     dog.stop()
     assert "hang on rank 2: no progress" in ended[0] and "parallel.hang_timeout_s" in ended[0]
+    assert ended[0].endswith("; requeued job 77 without n9"), ended[0]
     request = json.loads((tmp_path / "hang" / "request").read_text())
     assert request["rank"] == 2 and "no progress" in request["reason"]
     header, frames = diagnose.parse_dump(watchdog.hang_path(tmp_path, 2).read_text())
@@ -162,8 +164,9 @@ def test_requests_of_an_earlier_incarnation(tmp_path, monkeypatch) -> None:
         assert not ended and not watchdog.hang_path(tmp_path, 2).exists()
     finally:
         dog.stop()
-    kept = watchdog.keep_earlier_hang(tmp_path)
-    assert kept.name.startswith("hang-") and (kept / "rank00001.txt").read_text() == "old dump"
+    kept = watchdog.keep_earlier_hang(tmp_path)  # with the heartbeats it goes with: a run directory of its own
+    assert kept.name.startswith("hang-") and (kept / "hang" / "rank00001.txt").read_text() == "old dump"
+    assert heartbeat.read(kept / "heartbeat" / "rank00002.hb")["step"] == 5
     assert not (tmp_path / "hang").exists() and watchdog.keep_earlier_hang(tmp_path) is None
     (tmp_path / "hang").mkdir()
     assert watchdog.write_request(tmp_path, 3, "first") and not watchdog.write_request(tmp_path, 0, "second")
@@ -191,6 +194,7 @@ def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch
 def test_watchdog_answers_another_ranks_request(tmp_path, monkeypatch) -> None:
     """A rank that is not stale itself dumps when another rank's watchdog asks."""
     dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=5, long_s=60), "forward")  # polls: 0.5 s
+    dog.on_end = lambda: pytest.fail("only the rank that asked requeues")
     (tmp_path / "hang").mkdir(exist_ok=True)
     (tmp_path / "hang" / "request").write_text(json.dumps({"rank": 0, "wall": time.time()}) + "\n")
     t0 = time.monotonic()
@@ -275,3 +279,24 @@ def test_plot_per_rank_step_times(tmp_path) -> None:
     assert steps == [1, 5] and series == [[1.0, 1.0], [2.0, 1.1]] and slow == [(1, 1)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert plot_training(tmp_path).stat().st_size > 10000
+
+
+def test_a_stopped_then_woken_watchdog_says_it_was_frozen(tmp_path) -> None:
+    """SIGSTOP for 4 s, then SIGCONT (as Slurm sends when it ends or requeues a job): the watchdog trips at once,
+    and its dump says how long it could not run, so diagnose does not count it as an answer in time."""
+    code = ("import sys, time\nfrom hpctrain import watchdog\nfrom hpctrain.heartbeat import Heartbeat\n"
+            "hb = Heartbeat(sys.argv[1], 1, {'node': 'n2'})\nhb.begin_step(3)\nhb.enter('forward')\n"
+            "watchdog.Watchdog(hb, sys.argv[1], watchdog.Limits(step_s=2, long_s=60))\n"
+            "print('ready', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(4)
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(timeout=30) == 1  # the watchdog ended it
+    finally:
+        proc.kill()
+        proc.wait()
+    header, _ = diagnose.parse_dump(watchdog.hang_path(tmp_path, 1).read_text())
+    assert header["frozen_s"] >= 3, header

@@ -39,9 +39,9 @@ LEVELS: list[list[str]] = [
      "watchdog", "stragglers"],
     # 4: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
-     "planner/peak", "tokenized", "blend"],
+     "planner/peak", "tokenized", "blend", "diagnose"],
     # 5: what the trainer is made of
-    ["session", "parallel/compose", "optim", "data", "metrics", "bench/colls",
+    ["session", "parallel/compose", "optim", "data", "metrics", "bench/colls", "hangrequeue",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
     # 6
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search",
@@ -51,7 +51,7 @@ LEVELS: list[list[str]] = [
     # 8: a run's checkpoint policy
     ["checkpoint/checkpointer"],
     # 9: the jobs (what one rank runs) and the login-node readers
-    ["train", "benchjob", "checkpoint/inspection", "plot", "diagnose"],
+    ["train", "benchjob", "checkpoint/inspection", "plot"],
     # 10: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export; the
     # commands cli registers (doctor gets cli's launch helpers as arguments)
     ["launch", "checkpoint/hf", "cli_data", "cli_doctor", "cli_diagnose"],

@@ -1,0 +1,66 @@
+"""After a hang, the Slurm job goes on without the suspect nodes: the first rank whose watchdog tripped, once every
+live rank has dumped, asks `hpctrain diagnose` who stopped the job. Ranks that left no dump (stopped, dead, stuck
+in the kernel) make their nodes suspect; the job is requeued without them (preempt.requeue_excluding, as the
+preflight does) and resumes from its last committed checkpoint, at most job.hang_requeues times per run. A culprit
+that was alive and busy (it dumped its stack: a bug, a deadlock in code) is not a node's fault: the job just ends.
+
+    why = after_hang(run_dir, limit=1, num_nodes=2)   # one line; RUN_DIR/hang.jsonl records every hang's outcome
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from hpctrain import diagnose, doctor_report, preempt
+
+HISTORY = "hang.jsonl"
+
+
+def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
+    """Requeues the job without the nodes of the ranks that left no hang dump, when it may; says what happened in
+    one line and appends it to RUN_DIR/hang.jsonl. Never raises (the caller ends the job next)."""
+    run_dir = Path(run_dir)
+    history = run_dir / HISTORY
+    try:
+        before = sum(bool(json.loads(line).get("requeued")) for line in history.read_text().splitlines()
+                     if line.strip()) if history.is_file() else 0
+    except (OSError, ValueError, AttributeError):
+        before = limit  # a history we cannot read: no more requeues
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+              "requeued": False, "culprits": [], "nodes": []}
+    try:
+        report = diagnose.diagnose(run_dir)
+        record["culprits"] = [{k: c[k] for k in ("rank", "node", "step", "phase", "dumped")}
+                              for c in report["culprits"]]
+        silent = sorted({c["node"] for c in report["culprits"] if not c["dumped"] and c["node"]})
+        record["nodes"] = silent
+        job = preempt.slurm_job_id()
+        if not job:
+            why = "not a Slurm job: not requeued (resubmit to resume from the last checkpoint)"
+        elif before >= limit:
+            why = f"not requeued: job.hang_requeues = {limit}, and this run was requeued after {before} hang(s)"
+        elif not silent:
+            why = ("not requeued: every culprit was alive and left its stack (a fault of the program, not of a "
+                   "node: a requeue would hang again)")
+        else:
+            already = preempt.excluded_nodes(job)
+            usable = preempt.usable_nodes(os.environ.get("SLURM_JOB_PARTITION", ""))
+            if isinstance(already, str) or isinstance(usable, str):
+                why = f"not requeued: {already if isinstance(already, str) else usable}"
+            else:
+                exclude, why = doctor_report.plan_requeue(silent, already, usable, num_nodes, 0)
+                if exclude is None:
+                    why = f"not requeued: {why}"
+                else:
+                    record["requeued"], why = preempt.requeue_excluding(exclude)
+    except Exception as e:  # noqa: BLE001 - the job must end whatever this meets
+        why = f"not requeued: {type(e).__name__}: {e}"
+    record["why"] = why
+    try:
+        with history.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        pass
+    return why
