@@ -23,6 +23,9 @@ HANG_S = 4
 HANG_SETS = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.log_every=1", "train.steps=100000",
              "checkpoint.at_end=false", "parallel.timeout_s=60", f"parallel.hang_timeout_s={HANG_S}",
              "parallel.startup_timeout_s=120"]
+# A rank asleep 0.3 s per step computes ~10x its peers' ~0.03 s; a margin of 100% names it and not a healthy rank
+# that the shared machine's load slowed for one log interval (seen at +37% with the default 20%)
+STRAGGLER_SETS = ["train.straggler_margin=1.0"]
 # every rank gone within the hang limit, the watchdog's poll (0.4 s), its grace period (3.8 s) and this margin
 GONE_MARGIN_S = 12
 

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 from faults import record
-from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, Launch, check_hang, hang_run, mpi_train, sets
+from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, mpi_train, sets
 
 from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, tool
 
@@ -87,7 +87,7 @@ def test_straggler_named_with_its_node_slurm(slurm_cluster, tmp_path) -> None:
     out = subprocess.run([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                           *sets(f"job.run_root={tmp_path}", "train.steps=9", "train.log_every=3",
                                 "checkpoint.at_end=false", "data.source=synthetic", "model.n_layers=1",
-                                "model.dim=64", "parallel.tp=1")],
+                                "model.dim=64", "parallel.tp=1", *STRAGGLER_SETS)],
                          capture_output=True, text=True, timeout=400,
                          env=env_with_venv() | {"HPCTRAIN_FAULT": "sleep0.3:3:forward"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -14,7 +14,7 @@ import json
 import subprocess
 
 from faults import record
-from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, Launch, check_hang, hang_run, sets
+from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, sets
 
 from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, tool
 
@@ -42,7 +42,7 @@ def test_slow_rank_is_named_a_straggler(tmp_path) -> None:
     out = subprocess.run([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                           *sets(f"job.run_root={tmp_path}", "job.executor=local", "train.steps=12",
                                 "train.log_every=4", "checkpoint.at_end=false", "data.source=synthetic",
-                                "model.n_layers=1", "model.dim=64", "parallel.tp=1")],
+                                "model.n_layers=1", "model.dim=64", "parallel.tp=1", *STRAGGLER_SETS)],
                          capture_output=True, text=True, timeout=300,
                          env=env_with_venv() | {"HPCTRAIN_FAULT": "sleep0.3:2:forward"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

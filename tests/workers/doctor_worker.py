@@ -30,6 +30,7 @@ def main(out: str, cases_json: str, base_port: int) -> None:
                 seen = {k: report[k] for k in ("ok", "failed_nodes", "unattributed", "exclude", "job", "groups",
                                                "nodes")}
                 seen["run_dir"] = str(s.run_dir)
+                seen["fails"] = [r for r in report["checks"] if not r["ok"]]
         else:  # a training job with job.preflight = true
             try:
                 seen["summary"] = train.run(cfg)
