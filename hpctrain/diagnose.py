@@ -10,6 +10,7 @@ Inputs, none of them trusted (sizes checked, never unpickled, nothing followed o
     hang/rankNNNNN.txt          each live rank's stacks at the hang
     hang/rankNNNNN.fr.json      each live rank's flight recorder: its collectives in flight, per group
     logs/rankNNNNN.log          ERROR lines
+    metrics.jsonl               the straggler report of every log step (rank 0's rows): a crawling run's slow ranks
 
 A hang is a wait-for graph: a rank in flight in collective #k of group G waits for the members of G whose flight
 recorder never reached #k, or who left no dump at all (stopped, or stuck where Python cannot run). Following the
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain import heartbeat
+from hpctrain import heartbeat, stragglers
 from hpctrain.watchdog import REQUEST, hang_path
 
 MAX_DUMP_BYTES = 64 << 20  # a flight recorder of 20000 entries is a few MB; anything bigger is not ours
@@ -229,6 +230,9 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     else:
         out = _ended(run_dir, by_rank)
     out["problems"] = problems
+    out["stragglers"] = stragglers.from_metrics(run_dir)  # a crawl: whom the others waited for, step after step
+    if out["stragglers"] is not None:
+        out["lines"].append(stragglers.history_line(out["stragglers"]))
     return out
 
 

@@ -17,13 +17,17 @@ and the report names them all. On GPUs the clock is CUDA events (CudaClock), sin
 """
 from __future__ import annotations
 
+import json
 import statistics
-from typing import Any, Sequence
-
-import torch
-import torch.distributed as dist
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hpctrain.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_METRICS_BYTES = 64 << 20  # from_metrics reads at most this much of metrics.jsonl's end
 
 
 class CudaClock:
@@ -35,6 +39,8 @@ class CudaClock:
 
     @staticmethod
     def _record():
+        import torch  # here, not at the top: hpctrain diagnose reads the report's history without torch
+
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -55,6 +61,9 @@ class CudaClock:
 def gather_times(hb: Heartbeat, device: torch.device) -> list[tuple[float, float]]:
     """Every rank's (compute_s, wait_s) since the previous call. Collective over the world, on the device (an NCCL
     group serves only device tensors): call it at log steps only."""
+    import torch
+    import torch.distributed as dist
+
     compute, wait = hb.take_times()
     mine = torch.tensor([compute, wait], dtype=torch.float64, device=device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -118,3 +127,50 @@ class Tally:
             hosts[e["host"]] = max(hosts.get(e["host"], 0), e["intervals"])
         return {"log_intervals": self.intervals, "ranks": ranks,
                 "hosts": [{"host": h, "intervals": n} for h, n in sorted(hosts.items(), key=lambda kv: -kv[1])]}
+
+
+def from_metrics(run_dir: str | Path) -> dict[str, Any] | None:
+    """The straggler report's history from a run's metrics.jsonl (rank 0's log-step rows): Tally.summary() plus
+    "last_step" and "truncated"; None when the run logged no report. For `hpctrain diagnose`, so nothing is trusted:
+    a regular file, not a link, only its last MAX_METRICS_BYTES, rows and entries of the wrong shape skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - MAX_METRICS_BYTES))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    truncated = size > MAX_METRICS_BYTES
+    tally, last = Tally(), None
+    for line in lines[1:] if truncated else lines:  # a cut file's first line is a piece of one
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("stragglers"), list):
+            continue
+        tally.add({"slow": [e for e in row["stragglers"] if isinstance(e, dict) and type(e.get("rank")) is int
+                            and isinstance(e.get("host"), str) and type(e.get("excess")) in (int, float)]})
+        last = row.get("step") if type(row.get("step")) is int else last
+    if not tally.intervals:
+        return None
+    return tally.summary() | {"last_step": last, "truncated": truncated}
+
+
+def history_line(history: dict[str, Any], most: int = 4) -> str:
+    """One line for `hpctrain diagnose`: 'stragglers over 4 log intervals to step 12: rank 2 (n1) slow in 4
+    (worst +1245%); hosts: n1'."""
+    n = history["log_intervals"]
+    span = f"{'the last ' if history['truncated'] else ''}{n} log interval{'s' * (n != 1)}" + (
+        f" to step {history['last_step']}" if history["last_step"] is not None else "")
+    ranks = history["ranks"]
+    if not ranks:
+        return f"stragglers: none over {span} (train.straggler_margin)"
+    parts = [f"rank {r['rank']} ({r['host']}) slow in {r['intervals']} (worst +{r['worst_excess']:.0%})"
+             for r in ranks[:most]]
+    more = f" and {len(ranks) - most} more rank(s)" if len(ranks) > most else ""
+    hosts = ", ".join(f"{h['host']} ({h['intervals']})" for h in history["hosts"][:most])
+    return f"stragglers over {span}: {', '.join(parts)}{more}; hosts: {hosts}"

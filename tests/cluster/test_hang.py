@@ -96,3 +96,9 @@ def test_straggler_named_with_its_node_slurm(slurm_cluster, tmp_path) -> None:
     last = json.loads((only_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["stragglers"][0]["host"] == "n2", last
     assert "| slow: rank 3 (n2)" in out.stdout, out.stdout[-2000:]
+    # the job crawled but did not hang: diagnose names the slow rank and its node from the run's report
+    seen = subprocess.run([tool("hpctrain"), "diagnose", str(only_run_dir(tmp_path))], capture_output=True,
+                          text=True, timeout=60, env=env_with_venv())
+    assert seen.returncode == 0 and seen.stdout.startswith("finished"), seen.stdout + seen.stderr
+    assert re.search(r"^stragglers over 4 log intervals to step 9: rank 3 \(n2\) slow in [34] \(worst \+\d+%\); "
+                     r"hosts: n2 \([34]\)$", seen.stdout, re.MULTILINE), seen.stdout  # steps 1, 3, 6, 9

@@ -231,3 +231,75 @@ def test_a_dump_from_a_woken_rank_does_not_count(tmp_path) -> None:
     report = diagnose.diagnose(tmp_path)
     assert [(c["rank"], c["dumped"]) for c in report["culprits"]] == [(1, False)], report["lines"]
     assert "its watchdog could not run for 6 s" in report["lines"][1], report["lines"][1]
+
+
+def _metrics(run: Path, rows: list[dict]) -> None:
+    with (run / "metrics.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _log_row(step: int, slow: list[tuple[int, str, float]]) -> dict:
+    """A log step's row as metrics.py writes it: the straggler report of the interval ending at `step`."""
+    return {"step": step, "loss": 3.0, "rank_compute_s": [0.1] * 4, "rank_wait_s": [0.1] * 4,
+            "stragglers": [{"rank": r, "host": h, "compute_s": 0.1 * (1 + e), "median_s": 0.1, "excess": e}
+                           for r, h, e in slow]}
+
+
+def test_a_crawling_run_names_its_stragglers_and_their_hosts(tmp_path) -> None:
+    """A slowed job does not hang: diagnose names the ranks the report found slow, log interval after log interval,
+    from metrics.jsonl, beside whatever else it says (finished, hang, failed)."""
+    for hb in [_beat(tmp_path, r, 12, "forward") for r in range(4)]:
+        hb.close("done")
+    _metrics(tmp_path, [_log_row(1, []), _log_row(4, [(3, "n2", 2.4)]), {"step": 4, "val_loss": 3.1},
+                        _log_row(8, [(3, "n2", 12.45), (0, "n1", 0.37)]), _log_row(12, [(3, "n2", 3.0)])])
+    report = diagnose.diagnose(tmp_path)
+    assert report["kind"] == "finished", report
+    assert report["lines"][-1] == ("stragglers over 4 log intervals to step 12: rank 3 (n2) slow in 3 (worst "
+                                   "+1245%), rank 0 (n1) slow in 1 (worst +37%); hosts: n2 (3), n1 (1)"), report
+    assert [(r["rank"], r["host"], r["intervals"]) for r in report["stragglers"]["ranks"]] == [(3, "n2", 3),
+                                                                                              (0, "n1", 1)]
+    out = hpctrain("diagnose", str(tmp_path))
+    assert out.returncode == 0 and "rank 3 (n2) slow in 3" in out.stdout, out.stdout
+
+    hung = tmp_path / "hung"
+    _stopped_rank_1(hung)
+    _metrics(hung, [_log_row(800, [(1, "n1", 0.5)]), _log_row(810, [])])
+    report = diagnose.diagnose(hung)
+    assert report["kind"] == "hang" and [c["rank"] for c in report["culprits"]] == [1]
+    assert report["lines"][-1].startswith("stragglers over 2 log intervals to step 810: rank 1 (n1) slow in 1")
+
+    calm = tmp_path / "calm"
+    for hb in [_beat(calm, r, 8, "forward") for r in range(4)]:
+        hb.close("done")
+    assert diagnose.diagnose(calm)["stragglers"] is None  # no report logged: no line
+    _metrics(calm, [_log_row(4, []), _log_row(8, [])])
+    assert diagnose.diagnose(calm)["lines"][-1] == ("stragglers: none over 2 log intervals to step 8 "
+                                                    "(train.straggler_margin)")
+
+
+def test_straggler_history_is_not_trusted(tmp_path, monkeypatch) -> None:
+    for hb in [_beat(tmp_path, r, 9, "forward") for r in range(4)]:
+        hb.close("done")
+    bad = [{"step": 1, "stragglers": [{"rank": "3", "host": "n2", "excess": 1.0},  # rank not an int
+                                      {"rank": 2, "host": ["n2"], "excess": 1.0},  # host not a string
+                                      {"rank": 1, "host": "n1", "excess": "1.0"},  # excess not a number
+                                      "rank 0"]},
+           {"step": 2, "stragglers": {"rank": 3}}, [1, 2], "text"]
+    _metrics(tmp_path, bad)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "stragglers": [{"rank": 3, "host": "n2", "exc\n')  # a torn last line
+    history = diagnose.diagnose(tmp_path)["stragglers"]
+    assert history["log_intervals"] == 1 and history["ranks"] == [], history
+    # only the file's end is read: a long run's first rows fall outside (and say so)
+    monkeypatch.setattr(diagnose.stragglers, "MAX_METRICS_BYTES", 400)
+    _metrics(tmp_path, [_log_row(s, [(2, "n2", 0.5)]) for s in (10, 20, 30)])
+    history = diagnose.diagnose(tmp_path)["stragglers"]
+    assert history["truncated"] and history["last_step"] == 30 and history["ranks"][0]["rank"] == 2, history
+    assert 1 <= history["log_intervals"] < 4, history
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "metrics.jsonl").symlink_to(tmp_path / "metrics.jsonl")  # a link: not read
+    for hb in [_beat(linked, r, 9, "forward") for r in range(4)]:
+        hb.close("done")
+    assert diagnose.diagnose(linked)["stragglers"] is None
