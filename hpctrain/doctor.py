@@ -49,6 +49,9 @@ class Options:
     axes: tuple[str, ...] = AXES
     storage_mb: int = 128
     reps: int = 3  # best of: noise only ever slows a measurement down; each round goes through every turn
+    # storage is best of more: one fsync now and then takes 5x its time here (a healthy node once failed at best
+    # of 3 in a full test run), and a round is short (storage_mb each way)
+    storage_reps: int = 5
 
 
 def slow_factor(node: str) -> float:
@@ -212,7 +215,9 @@ def measure(s: session.Session, opts: Options) -> dict[str, Any]:
     turns = _turns([{idents[r]["host"]} for r in leaders], True)  # the nodes of one host share its disk
     where = hostprobe.probe_dir(cfg.checkpoint.dir, s.run_dir)
     mine = turns[leaders.index(rank)] if rank in leaders else None
-    rounds = _in_turns(mine, max(turns) + 1, opts.reps,
+    if mine is not None:
+        os.sync()  # the node's earlier writes flushed first: an fsync of ours must not time their writeback
+    rounds = _in_turns(mine, max(turns) + 1, opts.storage_reps,
                        lambda: hostprobe.storage(where, opts.storage_mb << 20, me["node"], stall))
     if rounds:
         failed = [r for r in rounds if "error" in r]

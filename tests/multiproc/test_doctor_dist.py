@@ -33,7 +33,8 @@ def test_doctor_on_four_ranks(tmp_path) -> None:
     spawn_cases("doctor_worker.py", tmp_path, CASES, run_id="doctor", world=4, ranks_per_node=2)
 
     healthy = _seen(tmp_path, "healthy")
-    assert all(h["ok"] and h["exclude"] is None for h in healthy), [h["fails"] for h in healthy]
+    assert all(h["ok"] and h["exclude"] is None for h in healthy), (healthy[0]["fails"], [
+        (n["node"], n["storage"]) for n in healthy[0]["nodes"]])
     h = healthy[0]
     assert [(g["axis"], g["aliases"], g["members"]) for g in h["groups"]] == [
         ("tp", ["intra"], [0, 1]), ("tp", ["intra"], [2, 3]), ("dp", ["inter"], [0, 2]), ("dp", ["inter"], [1, 3]),

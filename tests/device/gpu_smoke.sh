@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU smoke check of the paths CPU tests cannot reach, on one GPU of a node (no Slurm, no MPI needed):
+#   bash tests/device/gpu_smoke.sh              # python3 with a CUDA torch, mpi4py, h5py, click on PATH
+#   DEV=cpu PY=.venv/bin/python bash tests/device/gpu_smoke.sh    # the same steps on CPU/gloo, fp32
+# 1 hpctrain doctor --here (CUDA device, bf16 GEMM against job.gpu = h100-sxm, storage, environment), 2 the same
+# with the node slowed 10x (HPCTRAIN_DOCTOR_SLOW: the datasheet rule must fail it, exit 1), 3 training with
+# job.preflight (the CUDA-event straggler clock), 4 a rank asleep in step 8's forward (watchdog, NCCL flight
+# recorder, diagnose; exit 1). Each step prints its exit status; outputs go to $OUT (default /tmp/devout).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+BAD=0
+expect() {  # expect WHAT WANTED_RC GOT_RC
+  if [ "$2" != "$3" ]; then echo "MISMATCH: $1 exited $3, expected $2"; BAD=1; fi
+}
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/devout}; mkdir -p $OUT
+ROOT=/tmp/g17runs; rm -rf $ROOT; mkdir -p $ROOT
+DEV=${DEV:-cuda}
+if [ "$DEV" = cuda ]; then GPU='gpus_per_node = 1
+gpu = "h100-sxm"'; BACK=nccl; PREC=bf16; else GPU=''; BACK=gloo; PREC=fp32; fi
+nvidia-smi -L 2>/dev/null
+$PY -c "import torch,mpi4py,h5py,click;print('torch',torch.__version__,'cuda',torch.cuda.is_available())"
+cat > $ROOT/g1.toml <<EOT
+[job]
+name = "g1"
+nodes = 1
+tasks_per_node = 1
+$GPU
+run_root = "$ROOT"
+[parallel]
+tp = 1
+backend = "$BACK"
+[model]
+vocab_size = 256
+dim = 256
+n_layers = 2
+n_heads = 4
+max_seq_len = 128
+[train]
+steps = 20
+micro_batch_size = 4
+log_every = 5
+precision = "$PREC"
+[data]
+source = "synthetic"
+seq_len = 128
+EOT
+H="$PY -m hpctrain.cli"
+echo "== 1 doctor healthy"; t=$SECONDS
+timeout 240 $H doctor $ROOT/g1.toml --here --run-dir $ROOT/doc1 --storage-mb 64 > $OUT/doctor.txt 2>$OUT/doctor.err; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect doctor 0 $rc
+cat $OUT/doctor.txt; tail -5 $OUT/doctor.err
+echo "== 2 doctor slowed"; t=$SECONDS
+HPCTRAIN_DOCTOR_SLOW=$(hostname -s) timeout 240 $H doctor $ROOT/g1.toml --here --run-dir $ROOT/doc2 --storage-mb 64 > $OUT/doctor_slow.txt 2>$OUT/doctor_slow.err; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"
+[ "$DEV" = cuda ] && expect "slowed doctor (datasheet rule)" 1 $rc
+grep -E "FAIL|exclude" $OUT/doctor_slow.txt; tail -3 $OUT/doctor_slow.err
+echo "== 3 train with preflight"; t=$SECONDS
+timeout 240 $H train $ROOT/g1.toml --set job.preflight=true --run-dir $ROOT/tr > $OUT/train.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "train with preflight" 0 $rc
+grep -E "step +20|preflight|slow|rank_compute" $OUT/train.txt | tail -5; tail -1 $ROOT/tr/metrics.jsonl | cut -c1-400
+echo "== 4 hang"; t=$SECONDS
+HPCTRAIN_FAULT=sleep600:0:forward8 timeout 200 $H train $ROOT/g1.toml --set parallel.hang_timeout_s=8 --run-dir $ROOT/hg > $OUT/hang.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "hung run" 1 $rc
+tail -3 $OUT/hang.txt; ls $ROOT/hg/hang
+$PY -c "import json,sys;d=json.load(open('$ROOT/hg/hang/rank00000.fr.json'));print({k:(len(v.get('entries',[])) if isinstance(v,dict) else v) for k,v in d.items()})"
+$H diagnose $ROOT/hg | tee $OUT/diagnose.txt; rc=${PIPESTATUS[0]}; expect diagnose 1 $rc
+grep -q "rank 0 .* busy in forward of step 8" $OUT/diagnose.txt || { echo "MISMATCH: diagnose did not name rank 0 busy in step 8"; BAD=1; }
+cp $ROOT/hg/hang/rank00000.fr.json $OUT/ 2>/dev/null
+[ $BAD = 0 ] && echo "gpu_smoke: every step as expected" || echo "gpu_smoke: MISMATCH above"
+exit $BAD
