@@ -35,6 +35,10 @@ class Rules:
     storage_margin: float = 0.5
     expected_fraction: float = 0.4
     max_skew_ms: float = 100.0
+    # the latency-bound all-reduce judged against its peers too (GPUs); on CPUs it is shown, not judged: gloo's
+    # latency on loopback follows the scheduler of the shared cores, not the node (two healthy tp groups of one
+    # host measured 0.066 and 0.27 GB/s at 64 KiB, their 4 MiB figures within 15%)
+    judge_latency: bool = True
 
     def __post_init__(self) -> None:
         for name in ("margin", "storage_margin", "expected_fraction"):
@@ -51,7 +55,8 @@ class Rules:
         GPU. CPU ranks share cores with each other and the system: on this project's 2-core VM a lone 1-thread GEMM
         swung 2-3x within seconds, and healthy ranks and groups measured down to 0.48 x their median while other
         jobs ran, so there a value fails only below 0.4 x the median."""
-        rules = {"margin": 0.2 if device_type == "cuda" else 0.6} | {k: v for k, v in given.items() if v is not None}
+        rules = {"margin": 0.2 if device_type == "cuda" else 0.6, "judge_latency": device_type == "cuda"} | {
+            k: v for k, v in given.items() if v is not None}
         return Rules(**rules)
 
 
@@ -170,7 +175,10 @@ def _group_rows(groups: list[dict[str, Any]], sizes: list[int], rules: Rules,
                 _against_expected(row, expected[f"{kind}_gbps"], rules.expected_fraction, "busbw")
             by_axis.setdefault((g["axis"], size), []).append(row)
             rows.append(row)
-    for peers in by_axis.values():
+    for (_, size), peers in by_axis.items():
+        if not rules.judge_latency and size != max(sizes):
+            _against_median(peers, 1.0, "busbw")  # the median shown; nothing is below 0 x it
+            continue
         _against_median(peers, rules.margin, "busbw")
         healthy = {n for r in peers if r["ok"] for n in r["nodes"]}
         for r in peers:  # a group spanning nodes: only nodes seen in no healthy peer can be blamed
@@ -281,7 +289,8 @@ def render(report: dict[str, Any]) -> str:
                f"links at the large size)" if exp else "")
     lines = [f"hpctrain doctor: {job['world_size']} rank(s) on {job['num_nodes']} node(s), {job['device']}, job "
              f"{job['job_id']}; a value fails below {1 - rules['margin']:.2f} x its peers' median (storage "
-             f"{1 - rules['storage_margin']:.2f} x){against}; clocks within {rules['max_skew_ms']:g} ms of rank 0"]
+             f"{1 - rules['storage_margin']:.2f} x){against}; clocks within {rules['max_skew_ms']:g} ms of rank 0"
+             + ("" if rules.get("judge_latency", True) else "; all-reduce judged at the large size only")]
     table = [["check", "subject", "node", "value", "/median", "expected", "verdict"]]
     kinds = list(dict.fromkeys(r["check"] for r in report["checks"]))
     for kind in kinds:

@@ -86,6 +86,26 @@ def test_a_slowed_node_fails_by_the_median_with_its_exclude_line(nodes, slow, ex
     assert "GEMM 0.1" in text or "GEMM 0.2" in text  # the ratio to the median is named
 
 
+def test_latency_bound_all_reduce_is_judged_on_gpus_only():
+    """Two healthy tp groups of one host measured 0.066 and 0.27 GB/s at 64 KiB on gloo (their 4 MiB figures within
+    15%): on CPUs the small size is shown with its median, not judged; the large size and GPUs' small size are."""
+    m = measured(("n1", "n2", "n3"))
+    m["groups"][0]["busbw"]["65536"] = 0.025  # tp on n1: 0.25 x the median at 64 KiB
+    report = analyse(m, CPU, None)
+    assert report["ok"], failed(report)
+    row = next(r for r in report["checks"] if r["subject"] == "tp=intra [0,1] 64K")
+    assert row["median"] == pytest.approx(0.1) and row["ok"]
+    assert "all-reduce judged at the large size only" in render(report)
+    m["groups"][0]["busbw"]["4194304"] = 0.25  # and at 4 MiB: fails, pinned to n1
+    report = analyse(m, CPU, None)
+    assert failed(report) == [("allreduce", "tp=intra [0,1] 4M")] and report["failed_nodes"] == ["n1"]
+    m = measured(("n1", "n2", "n3"), device="cuda")
+    m["groups"][0]["busbw"]["65536"] = 0.025
+    report = analyse(m, GPU, None)
+    assert failed(report) == [("allreduce", "tp=intra [0,1] 64K")] and report["failed_nodes"] == ["n1"]
+    assert "judged at the large size only" not in render(report)
+
+
 def test_two_failed_nodes_give_one_host_list():
     m = measured(("n1", "n2", "n3", "n4", "n5"))
     for r in m["ranks"]:
