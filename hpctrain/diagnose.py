@@ -213,7 +213,8 @@ def _position(r: Rank) -> str:
     return f"{_doing(r.beat)}, since {_when(r.beat.get('wall'))}"
 
 
-def diagnose(run_dir: str | Path) -> dict[str, Any]:
+def diagnose(run_dir: str | Path, history: bool = True) -> dict[str, Any]:
+    """history=False leaves out the straggler history (a read of metrics.jsonl the hang path does not need)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir} is not a run directory")
@@ -230,7 +231,7 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     else:
         out = _ended(run_dir, by_rank)
     out["problems"] = problems
-    out["stragglers"] = stragglers.from_metrics(run_dir)  # a crawl: whom the others waited for, step after step
+    out["stragglers"] = stragglers.from_metrics(run_dir) if history else None  # a crawl: whom the others waited for
     if out["stragglers"] is not None:
         out["lines"].append(stragglers.history_line(out["stragglers"]))
     return out

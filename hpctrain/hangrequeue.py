@@ -31,7 +31,7 @@ def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
               "requeued": False, "culprits": [], "nodes": []}
     try:
-        report = diagnose.diagnose(run_dir)
+        report = diagnose.diagnose(run_dir, history=False)  # the job is ending: culprits only
         record["culprits"] = [{k: c[k] for k in ("rank", "node", "step", "phase", "dumped")}
                               for c in report["culprits"]]
         silent = sorted({c["node"] for c in report["culprits"] if not c["dumped"] and c["node"]})
