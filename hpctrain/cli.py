@@ -42,14 +42,14 @@ def ends_launch_on_error(fn):
         try:
             return fn(*args, **kwargs)
         except (Exception, KeyboardInterrupt) as e:
-            from hpctrain import rendezvous
-            rendezvous.wait_if_ending()  # the hang watchdog is ending the job: its dumps come first
-            if not rendezvous.mpi_running():
+            from hpctrain import ending
+            ending.wait_if_ending()  # the hang watchdog is ending the job: its dumps come first
+            if not ending.mpi_running():
                 raise
             trace = traceback.format_exc()
             click.echo(f"Error: {e.format_message()}" if isinstance(e, click.ClickException) else trace, err=True)
-            rendezvous.leave_task_error(trace)
-            rendezvous.abort_launch(1)
+            ending.leave_task_error(trace)
+            ending.abort_launch(1)
             raise  # not reached: MPI_Abort ends the process
     return wrapper
 

@@ -119,8 +119,8 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     mpi = None
-    from hpctrain import rendezvous
-    if rendezvous.mpi_running():  # importing mpi4py would start MPI: only report one that runs
+    from hpctrain import ending
+    if ending.mpi_running():  # importing mpi4py would start MPI: only report one that runs
         from mpi4py import MPI
         mpi = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     env = os.environ

@@ -50,8 +50,6 @@ import logging
 import os
 import secrets
 import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -165,52 +163,6 @@ def mpi_bcast(comm, obj):
     obj = comm.bcast(obj, root=0)
     comm.Barrier()
     return obj
-
-
-def mpi_running() -> bool:
-    """MPI was started in this process (identify() under MPI) and is not finalized yet."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
-
-
-# Set by the hang watchdog (hpctrain/watchdog.py) while it ends the job: a failure of the main thread meanwhile
-# (a collective timing out during the watchdog's grace period) leaves the ending to it, so every rank dumps first.
-ENDING = threading.Event()
-
-
-def wait_if_ending(limit_s: float = 120.0) -> None:
-    """Called on a failure path before it ends the launch: waits while the hang watchdog ends it instead."""
-    if ENDING.is_set():
-        time.sleep(limit_s)
-
-
-def leave_task_error(trace: str) -> None:
-    """Inside a submitit task: its error result, as submitit writes it when a task raises. A rank that ends its
-    launch with MPI_Abort never returns to submitit, and `wait` would otherwise wait for a result that never comes."""
-    if "SUBMITIT_FOLDER" not in os.environ:  # set by submitit's task runner only
-        return
-    import submitit
-    from submitit.core import utils
-
-    with utils.temporary_save_path(submitit.JobEnvironment().paths.result_pickle) as tmp:
-        utils.cloudpickle_dump(("error", trace), tmp)
-
-
-def abort_launch(code: int = 1) -> None:
-    """Ends every rank of this MPI launch now (MPI_Abort); returns without MPI.
-
-    A failed rank must not exit normally under MPI: mpi4py's exit hook calls MPI_Finalize, which waits for peers
-    that may be stuck in a collective or stopped, and the job would hold its nodes until the time limit."""
-    if mpi_running():
-        comm = sys.modules["mpi4py.MPI"].COMM_WORLD
-        sys.stdout.flush()
-        # said by us, flushed: MPICH's own "application called MPI_Abort" line can be lost when the launcher kills
-        # the ranks first (seen once under load)
-        print(f"hpctrain: rank {comm.Get_rank()} failed: MPI_Abort ends the launch", file=sys.stderr, flush=True)
-        # flushed is not forwarded: mpiexec's proxy reads our pipe on its own schedule, and the abort kills it first
-        # (the line, and the traceback before it, went missing under load); half a second lets it drain
-        time.sleep(0.5)
-        comm.Abort(code)
 
 
 # Where a launcher states how many ranks it started, checked against MPI's own count by identify().

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from hpctrain import mesh, rendezvous, runs
+from hpctrain import ending, mesh, rendezvous, runs
 from hpctrain.config import Config, dump_toml
 from hpctrain.heartbeat import Heartbeat
 from hpctrain.plan import Plan, make_plan
@@ -163,7 +163,7 @@ def inject_fault(point: str, rank: int, step: int | None = None) -> None:
 def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
     """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit.
 
-    A failure under MPI leaves the process group up: the caller ends the launch with rendezvous.abort_launch(),
+    A failure under MPI leaves the process group up: the caller ends the launch with ending.abort_launch(),
     and destroy_process_group could wait on a peer that is stopped or stuck in a collective."""
     t0 = time.time()
     flag = process_flag()  # first: a preemption signal from here on is kept, not fatal
@@ -217,5 +217,5 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         raise
     finally:
         flag.clear()  # acted on by this session's payload, or by nobody
-        if not (failed and rendezvous.mpi_running()):
+        if not (failed and ending.mpi_running()):
             dist.destroy_process_group()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpctrain import rendezvous
+from hpctrain import ending
 from hpctrain.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Watchdog:
         handler whose stream is gone): the ending is in a finally."""
         t0 = time.monotonic()
         initiator = False
-        rendezvous.ENDING.set()  # from here this thread ends the job; the main thread's failures wait for it
+        ending.ENDING.set()  # from here this thread ends the job; the main thread's failures wait for it
         hb = self.hb
         where = f"step {hb.step}, phase {hb.phase}" + (f" ({hb.detail})" if hb.detail else "")
         message = (f"hang on rank {hb.rank}: {reason} at {where}; see {self.run_dir / 'hang'} and run "
@@ -273,8 +273,8 @@ def end_job(peers: list[Peer], run_dir: Path, message: str) -> None:
     MPI_Abort under MPI (returns without MPI), else the same-host peers that left no dump are killed (a stopped
     rank would otherwise outlive the job where no launcher ends it), then exit 1."""
     print(f"hpctrain: {message}", file=sys.stderr, flush=True)
-    rendezvous.leave_task_error(message)
-    rendezvous.abort_launch(1)
+    ending.leave_task_error(message)
+    ending.abort_launch(1)
     host, me = socket.gethostname(), os.getpid()
     for p in peers:
         if p.host == host and p.pid != me and not hang_path(run_dir, p.rank).exists() \

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from hpctrain import diagnose, heartbeat, rendezvous, stragglers, watchdog
+from hpctrain import diagnose, ending, heartbeat, stragglers, watchdog
 from hpctrain.config import load_config
 from hpctrain.heartbeat import FILE_BYTES, Heartbeat
 
@@ -101,7 +101,7 @@ class _Ended(Exception):
 def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int = 5):
     ended: list[str] = []
     monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
-    monkeypatch.setattr(rendezvous, "ENDING", threading.Event())  # this process's own stays clear
+    monkeypatch.setattr(ending, "ENDING", threading.Event())  # this process's own stays clear
     hb = Heartbeat(tmp_path, 2, {"node": "n1"})
     hb.begin_step(step)
     hb.enter(phase, "all_reduce of the loss on dp" if phase == "collective" else "")

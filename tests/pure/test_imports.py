@@ -25,7 +25,8 @@ LEVELS: list[list[str]] = [
     ["hfconfig", "cliutil", "sections", "hostlist"],
     # 1: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
     # nothing of hpctrain
-    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "heartbeat", "parallel/__init__",
+    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "heartbeat", "ending",
+     "parallel/__init__",
      "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
      "checkpoint/index"],
     # 2: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
