@@ -22,7 +22,7 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
-    ["hfconfig", "cliutil", "sections", "hostlist"],
+    ["hfconfig", "cliutil", "sections", "hostlist", "untrusted"],
     # 1: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
     # nothing of hpctrain
     ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "heartbeat", "ending",
