@@ -77,6 +77,11 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     return [(step, p) for _, step, p in sorted(found)]
 
 
+def _committed_dir(path: Path) -> bool:
+    """A real step directory (not a link) holding its commit marker."""
+    return not path.is_symlink() and (path / MARKER).is_file()
+
+
 def _write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=1))
 
@@ -174,8 +179,10 @@ class CheckpointManager:
                                                        use_non_blocking_copy=torch.cuda.is_available()))
 
     def _take_directory(self):
-        """Rank 0: the directory lock, then what killed saves left: .partial directories go (never committed),
-        a .old directory goes once its step's replacement is committed and is put back otherwise."""
+        """Rank 0: the directory lock, then what killed saves left. A .partial directory goes (never committed). A
+        .old directory is the committed copy of a step that a re-save was replacing: it goes once the replacement
+        is committed; otherwise it is put back, and a replacement that never got its marker (a crash between the
+        rename and the marker) goes instead. Links are never followed: a linked .partial or .old is only unlinked."""
         from hpctrain.checkpoint.lock import acquire
         lock = acquire(self.root)
         for p in sorted(self.root.iterdir()):
@@ -183,12 +190,21 @@ class CheckpointManager:
             if parsed is None or parsed[1] not in (".partial", ".old"):
                 continue
             final = self.root / step_name(parsed[0])
-            if parsed[1] == ".partial" or (final / MARKER).is_file():
+            if p.is_symlink():  # not a directory a save of ours makes: never delete through it
+                p.unlink()
+                log.warning("removed the link %s (checkpoint saves never make links)", p)
+            elif parsed[1] == ".partial" or _committed_dir(final):
                 shutil.rmtree(p)
                 log.info("removed %s, left by a save that never completed", p)
-            elif not final.exists():
+            else:
+                if final.is_symlink():
+                    final.unlink()
+                elif final.exists():  # the replacement, renamed into place but never committed
+                    shutil.rmtree(final)
+                    log.warning("removed %s: a save replacing it stopped before its commit marker", final)
                 os.replace(p, final)
-                log.warning("restored %s: the save that was replacing it never committed", final)
+                fsync_path(self.root)
+                log.warning("restored %s from %s: the save that was replacing it never committed", final, p.name)
         return lock
 
     def close(self) -> None:
@@ -266,10 +282,14 @@ class CheckpointManager:
                       "files": {name: file_crc(tmp / name) for name in (EXTRA, INDEX)}} | provenance
             final = self.root / step_name(step)
             old = final.with_name(final.name + ".old")
-            if final.exists():  # an older save of this step (a resumed run repeating it): kept until this commits
-                if old.exists():
+            if _committed_dir(final):  # an older save of this step (a resumed run repeating it): kept until this
+                if old.exists():      # commits; a .old beside a committed step is an earlier replaced copy
                     shutil.rmtree(old)
                 os.replace(final, old)
+            elif final.is_symlink():
+                final.unlink()
+            elif final.exists():  # never committed (a crash before its marker): the good copy, if any, is .old
+                shutil.rmtree(final)
             os.replace(tmp, final)
             _write_json(final / MARKER, marker)  # written last: the commit point (durable, with its entry)
             fsync_path(self.root)  # the renames
@@ -346,11 +366,12 @@ class CheckpointManager:
 
     def _set_aside(self, path: Path, why: str) -> Path:
         n, dest = 1, path.with_name(path.name + ".unusable")
-        while dest.exists():
+        while os.path.lexists(dest):
             n += 1
             dest = path.with_name(f"{path.name}.unusable-{n}")
         os.replace(path, dest)
-        (dest / UNUSABLE).write_text(f"refused when loading: {why}\n")
+        if not dest.is_symlink():  # the note never goes through a link to wherever it points
+            (dest / UNUSABLE).write_text(f"refused when loading: {why}\n")
         fsync_path(self.root)
         log.warning("set %s aside as %s", path.name, dest.name)
         return dest

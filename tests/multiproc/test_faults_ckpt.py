@@ -169,6 +169,49 @@ def test_resaving_a_step_never_deletes_it_first(tmp_path, monkeypatch) -> None:
            "loads", tier="checkpoint")
 
 
+def test_crash_between_rename_and_marker_resumes_from_the_old_copy(tmp_path, monkeypatch) -> None:
+    """A re-save of step 3 renamed into place, then the node died before the marker: step_3.old (good) beside
+    step_3 (no marker). The next job resumes from the old copy, not from step 2, and keeps it."""
+    first = _fit(tmp_path, "train.steps=4", "checkpoint.every_steps=1", "checkpoint.keep=5")
+    real = mgr_mod._write_json
+
+    def crash_before_marker(path, obj):
+        if path.name == "COMMITTED":
+            raise OSError("injected: node lost before the marker")
+        return real(path, obj)
+    monkeypatch.setattr(mgr_mod, "_write_json", crash_before_marker)
+    with pytest.raises(OSError, match="injected"):
+        _fit(tmp_path, "train.steps=3", f"train.resume={tmp_path / 'ck' / 'step_00000002'}")
+    monkeypatch.setattr(mgr_mod, "_write_json", real)
+    ck = tmp_path / "ck"
+    assert (ck / "step_00000003.old" / "COMMITTED").is_file() and not (ck / "step_00000003" / "COMMITTED").exists()
+    shutil.rmtree(ck / "step_00000004")  # step 3 is now the newest: a silent fall-back would show as step 2
+    res = _fit(tmp_path, "train.steps=4")
+    assert res["resumed_from"] == 3 and res["losses"] == first["losses"][3:]
+    assert not (ck / "step_00000003.old").exists() and _steps(ck)[-2:] == [3, 4]
+    record("crash between a re-save's rename and its marker (good step_N.old beside step_N without COMMITTED)",
+           "the next job restores step_N.old and resumes from it (not an older step); losses those of the first run",
+           tier="checkpoint")
+
+
+def test_crash_window_with_the_only_checkpoint_never_trains_from_scratch(tmp_path) -> None:
+    """The same state when step_N is the run's only checkpoint: the next start neither trains from step 0 nor lets
+    its own commit of step N delete the good copy."""
+    first = _fit(tmp_path, "train.steps=3")
+    ck = tmp_path / "ck"
+    for step, path in committed(ck)[:-1]:
+        shutil.rmtree(path)
+    assert _steps(ck) == [3]
+    shutil.copytree(ck / "step_00000003", ck / "step_00000003.old")
+    (ck / "step_00000003" / "COMMITTED").unlink()  # the replacement in place, never committed
+    res = _fit(tmp_path, "train.steps=5")
+    assert res["resumed_from"] == 3, "trained from scratch over a good checkpoint"
+    assert _steps(ck)[-1] == 5 and not list(ck.glob("*.old"))
+    assert len(res["losses"]) == 2 and first["steps"] == 3
+    record("crash in a re-save's commit window when step_N is the only checkpoint", "restored and resumed from "
+           "step N, never from step 0; no good copy deleted", tier="checkpoint")
+
+
 @pytest.mark.parametrize("name", ["../../x.h5", "ABS"])
 def test_index_naming_a_file_outside_is_refused(tmp_path, name) -> None:
     _fit(tmp_path, "train.steps=1")
