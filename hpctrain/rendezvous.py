@@ -58,6 +58,7 @@ from typing import Any
 
 from hpctrain.fsutil import write_atomic
 from hpctrain.netaddr import FIX, check_reachable, feed_socket_ifname, store_address
+from hpctrain.untrusted import read_json
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,22 @@ def _publish(ident: Identity, info: dict[str, Any] | None, directory: Path | Non
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {ident.rank}: rank 0 did not publish {path} within {timeout_s} s")
         time.sleep(0.1)
-    return json.loads(path.read_text())
+    return _read_address(path)
+
+
+_ADDRESS_FIELDS = {"addr": str, "port": int, "source": str, "host": str, "secret": str}
+
+
+def _read_address(path: Path) -> dict[str, Any]:
+    """Rank 0's publication, as read by another rank: a small JSON object of the expected fields and types (or
+    rank 0's error), refused with a ValueError naming the file otherwise."""
+    info = read_json(path, 1 << 16)
+    if isinstance(info, dict) and set(info) == {"error"} and isinstance(info["error"], str):
+        return info
+    if not isinstance(info, dict) or not {"addr", "port", "secret"} <= set(info) <= set(_ADDRESS_FIELDS) or not all(
+            type(info[k]) is _ADDRESS_FIELDS[k] for k in info) or not 0 < info["port"] < 65536:
+        raise ValueError(f"{path}: not a rendezvous address published by rank 0 ({str(info)[:200]})")
+    return info
 
 
 def _admit(ident: Identity, store, directory: Path, timeout_s: int) -> None:

@@ -265,3 +265,25 @@ def test_bind_device_cpu_backends(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device under gloo"))
     assert rendezvous.bind_device(identity_from_env("slurm", SLURM), "gloo") == torch.device("cpu")
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("text", ['{"addr": "127.0.0.1", "port": "4242", "secret": "s"}', "[" * 100000, "x" * 70000,
+                                  '{"addr": "\\ud800", "port": 1, "secret": "s"}', "LINK"])
+def test_damaged_address_file_is_a_clean_error(tmp_path, text):
+    """A rank that reads a damaged, huge, deeply nested or linked address file gets a ValueError naming it."""
+    from faults import record
+
+    from hpctrain import rendezvous
+
+    ident = Identity(1, 2, 1, 0, "n", 1, "slurm", "77", "h")
+    path = rendezvous._rendezvous_file(ident, tmp_path)
+    if text == "LINK":
+        (tmp_path / "elsewhere.json").write_text('{"addr": "127.0.0.1", "port": 4242, "secret": "s"}')
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_text(text)
+    with pytest.raises(ValueError, match="rendezvous-slurm-77"):
+        rendezvous._publish(ident, None, tmp_path, 5)
+    record("rendezvous address file damaged (wrong types, 100k-deep nesting, 70 KB, lone surrogate, a symlink)",
+           "every reading rank raises a ValueError naming the file; no traceback from json", tier="pure")
