@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hpctrain.fsutil import write_atomic
+from hpctrain.untrusted import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,11 @@ def _read(path: Path) -> tuple[bytes, int] | tuple[None, None]:
 
 
 def _parse(data: bytes) -> dict:
-    try:
-        rec = json.loads(data) if len(data) <= MAX_BYTES else None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"not JSON: {e}") from None
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"over {MAX_BYTES} bytes")
+    rec = parse_json(data, "the record")  # ValueError: not UTF-8 JSON, nested too deep, a lone surrogate
     if not isinstance(rec, dict):
-        raise ValueError(f"over {MAX_BYTES} bytes" if rec is None else "not a JSON object")
+        raise ValueError("not a JSON object")
     rec.setdefault("cluster", "")  # clusters without a name
     for key, kind in _FIELDS.items():
         value = rec.get(key)

@@ -201,7 +201,8 @@ def test_squeue_verdicts(tmp_path, monkeypatch) -> None:
 
 GOOD = {"host": "n1", "pid": 5, "job_id": "", "restart": "0", "started": "x"}
 MALFORMED = {"empty": b"", "not JSON": b"{host: n1", "a list": b"[]", "not UTF-8": b"\xff\xfe{}",
-             "missing pid": b'{"host": "n1"}', "huge": json.dumps(GOOD | {"job_id": "1" * 70000}).encode()}
+             "missing pid": b'{"host": "n1"}', "huge": json.dumps(GOOD | {"job_id": "1" * 70000}).encode(),
+             "deep": b"[" * 50000, "lone surrogate": json.dumps(GOOD | {"host": "\ud800"}).encode()}
 MALFORMED |= {f"{key} {value!r}": json.dumps(GOOD | {key: value}).encode()
               for key, value in [("pid", "5"), ("pid", True), ("pid", 0), ("pid", -1), ("pid", 2**40), ("host", 3)]}
 
@@ -215,7 +216,8 @@ def test_malformed_lock_refused_with_advice(tmp_path, monkeypatch) -> None:
                                                       r".*if no job uses the directory, remove that file"):
             acquire(tmp_path)
         assert (tmp_path / NAME).read_bytes() == data, name
-    record("malformed LOCK.json (empty, not JSON, wrong types, pid 0/-1/2**40, 70 KB)",
+    record("malformed LOCK.json (empty, not JSON, wrong types, pid 0/-1/2**40, 70 KB, 50k-deep nesting, a lone "
+           "surrogate)",
            "refused: names the file, says to remove it if no job uses the directory", tier="unit")
 
 
