@@ -17,12 +17,13 @@ Pure: imports nothing of hpctrain and no torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
+
+from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # "fp32": plain FP32 (no TF32); the others on tensor/matrix cores
 NUMBERS = ("memory_gb", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
@@ -204,13 +205,14 @@ def bandwidths_from_bench(path: str | Path, world_is_one_node: bool = False) -> 
         raise ValueError(f"{path}: {path.stat().st_size} bytes is too large for a bench results file")
     best: dict[str, tuple[int, float]] = {}
     groups: set[str] = set()
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    text = read_bytes(path, MAX_BENCH_BYTES).decode("utf-8", errors="replace")
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {n} is not JSON ({e.msg}); expected `hpctrain bench` JSON lines") from None
+            row = parse_json(line, f"{path}: line {n}")
+        except Untrusted as e:
+            raise ValueError(f"{path}: line {n} is not JSON as `hpctrain bench` writes it ({e})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}: line {n} is a {type(row).__name__}, not a result row (a JSON object)")
         for key, kind in (("coll", str), ("group", str), ("backend", str), ("size", int)):

@@ -248,6 +248,8 @@ def test_malformed_rows_refused(tmp_path, change, message):
 
 @pytest.mark.parametrize("text, message", [
     ('{"coll": "all_reduce", ', r"line 1 is not JSON"),
+    ("[" * 100_000, r"line 1 is not JSON .*nested more than"),
+    ('{"coll": "\\ud800"}', r"line 1 is not JSON .*lone surrogate"),
     ("[1, 2, 3]\n", r"line 1 is a list, not a result row"),
     ("\n\n", r"no torch all_reduce result .*\(groups found: none\)"),
 ])
