@@ -198,8 +198,8 @@ def bandwidths_from_bench(path: str | Path, world_is_one_node: bool = False) -> 
     bandwidth approaches the node's NIC bandwidth summed over its GPUs, neither figure here, so it is not used;
     nor are tp/dp/pp groups, whose placement the file does not record. Only the groups found are returned.
 
-    The file is untrusted: parsed as bounded JSON (hpctrain.untrusted), every row's fields checked, and a ValueError names the
-    file, the line and the offending key."""
+    The file is untrusted: parsed as bounded JSON (hpctrain.untrusted), every row's fields checked, and a
+    ValueError names the file, the line and the offending key."""
     path = Path(path)
     if path.stat().st_size > MAX_BENCH_BYTES:
         raise ValueError(f"{path}: {path.stat().st_size} bytes is too large for a bench results file")
