@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -108,6 +110,15 @@ class DataConfig:
         check(not self.weights or len(self.weights) == len(self.paths), f"data.weights = {self.weights} needs one "
                f"weight per entry of data.paths ({len(self.paths)} entries)")
         check(all(w > 0 for w in self.weights), f"data.weights = {self.weights}: every weight must be > 0")
+        # a subnormal weight has lost its digits, and a share that underflows reads a weighted file never
+        small = [w for w in self.weights if w < sys.float_info.min]
+        if small:
+            raise ValueError(f"data.weights = {self.weights}: {small[0]!r} is below the smallest normal float "
+                             f"({sys.float_info.min:.3g}), where floats lose their digits: scale every weight up alike")
+        lost = [w for w, share in zip(self.weights, self.shares if self.weights else []) if share < sys.float_info.min]
+        if lost:
+            raise ValueError(f"data.weights = {self.weights}: {lost[0]!r} is so small beside the largest weight that "
+                             f"its share of the samples underflows: the file would never be read")
         check(len(set(self.paths)) == len(self.paths), f"data.paths = {self.paths} names a file twice: give it "
                f"a larger weight instead")
 
@@ -120,7 +131,10 @@ class DataConfig:
     def shares(self) -> list[float]:
         """Each training file's share of the samples, summing to 1 (equal shares when data.weights is [])."""
         weights = self.weights or [1.0] * len(self.files)
-        return [w / sum(weights) for w in weights]
+        top = max(weights)
+        scaled = [w / top for w in weights]  # in (0, 1]: their sum cannot overflow (1e308 + 1e308 is inf)
+        total = math.fsum(scaled)
+        return [w / total for w in scaled]
 
 
 @dataclass
