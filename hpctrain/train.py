@@ -57,6 +57,7 @@ def apply_tf32(enabled: bool, device: torch.device) -> bool:
         torch.backends.cudnn.allow_tf32 = setting
     return bool(setting)
 
+
 class NonFiniteSteps(RuntimeError):
     """Training stopped: train.max_nonfinite_steps consecutive steps were non-finite, or every step of the run."""
 
