@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -47,6 +49,10 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; master weights and optimizer stay fp32)
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16
     loss_scale: float = 65536.0  # initial dynamic loss scale for fp16
+    # this many consecutive non-finite steps (loss or gradients nan or inf, each skipped) stop the run with an
+    # error naming the step, and none of them is checkpointed. Above what fp16 skips while its loss scale comes
+    # down at start-up: at most log2(train.loss_scale) steps, 16 from 65536 (checked below)
+    max_nonfinite_steps: int = 50
     ac: str = "none"  # activation checkpointing: none | full | every
     ac_every: int = 2  # with ac = "every": checkpoint blocks 0, k, 2k, ...
     log_every: int = 10
@@ -75,6 +81,12 @@ class TrainConfig:
                f"train.beta1 = {self.beta1}, train.beta2 = {self.beta2} must be within [0, 1)")
         check(self.straggler_margin > 0, f"train.straggler_margin = {self.straggler_margin} must be > 0")
         check(self.loss_scale > 0, f"train.loss_scale = {self.loss_scale} must be > 0")
+        positive("train", self, "max_nonfinite_steps")
+        startup = math.ceil(math.log2(max(self.loss_scale, 1.0)))  # halvings that bring the scale down to 1
+        check(self.precision != "fp16" or self.max_nonfinite_steps > startup,
+               f"train.max_nonfinite_steps = {self.max_nonfinite_steps} would stop a healthy fp16 run: from "
+               f"train.loss_scale = {self.loss_scale} the scale halves on each of up to {startup} skipped steps at "
+               f"start-up; give more than {startup}")
         one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
         one_of("train", "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         one_of("train", "ac", self.ac, ("none", "full", "every"))
@@ -108,6 +120,15 @@ class DataConfig:
         check(not self.weights or len(self.weights) == len(self.paths), f"data.weights = {self.weights} needs one "
                f"weight per entry of data.paths ({len(self.paths)} entries)")
         check(all(w > 0 for w in self.weights), f"data.weights = {self.weights}: every weight must be > 0")
+        # a subnormal weight has lost its digits, and a share that underflows reads a weighted file never
+        small = [w for w in self.weights if w < sys.float_info.min]
+        if small:
+            raise ValueError(f"data.weights = {self.weights}: {small[0]!r} is below the smallest normal float "
+                             f"({sys.float_info.min:.3g}), where floats lose their digits: scale every weight up alike")
+        lost = [w for w, share in zip(self.weights, self.shares if self.weights else []) if share < sys.float_info.min]
+        if lost:
+            raise ValueError(f"data.weights = {self.weights}: {lost[0]!r} is so small beside the largest weight that "
+                             f"its share of the samples underflows: the file would never be read")
         check(len(set(self.paths)) == len(self.paths), f"data.paths = {self.paths} names a file twice: give it "
                f"a larger weight instead")
 
@@ -120,7 +141,10 @@ class DataConfig:
     def shares(self) -> list[float]:
         """Each training file's share of the samples, summing to 1 (equal shares when data.weights is [])."""
         weights = self.weights or [1.0] * len(self.files)
-        return [w / sum(weights) for w in weights]
+        top = max(weights)
+        scaled = [w / top for w in weights]  # in (0, 1]: their sum cannot overflow (1e308 + 1e308 is inf)
+        total = math.fsum(scaled)
+        return [w / total for w in scaled]
 
 
 @dataclass

@@ -7,7 +7,9 @@ any way you like:
     torchrun --nproc-per-node 4 -m hpctrain.cli train CONFIG
     hpctrain submit CONFIG                     # through submitit (passes --run-dir)
 
-Rank 0 writes metrics.jsonl and summary.json into the run directory.
+Rank 0 writes metrics.jsonl and summary.json into the run directory. Non-finite steps are skipped (nothing reaches
+the weights); train.max_nonfinite_steps of them in a row, or every step of a run, stop it with NonFiniteSteps (exit
+status 1), and no checkpoint is made of them (checkpoint/checkpointer.py says which saves wait or are not made).
 """
 from __future__ import annotations
 
@@ -55,6 +57,69 @@ def apply_tf32(enabled: bool, device: torch.device) -> bool:
         torch.backends.cudnn.allow_tf32 = setting
     return bool(setting)
 
+
+class NonFiniteSteps(RuntimeError):
+    """Training stopped: train.max_nonfinite_steps consecutive steps were non-finite, or every step of the run."""
+
+
+class NonFiniteStreak:
+    """How many of the latest steps were non-finite (skipped), against train.max_nonfinite_steps. Counted where
+    a step's "skipped" lives: on the host when the host decided the skip, on the device when the fused optimizer
+    did (Trainer._optimizer_step), so counting never waits for the device. Reading a count on the device waits
+    for it: the trainer reads it only where the host reads the device anyway (log steps, saves, the end)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count: int | torch.Tensor = 0
+
+    def add(self, skipped: bool | torch.Tensor) -> None:
+        if isinstance(skipped, torch.Tensor):
+            self.count = (self.count + 1) * skipped  # on the device: a finite step sets it back to 0
+        else:
+            self.count = self.count + 1 if skipped else 0
+
+    def on_host(self) -> bool:
+        return not isinstance(self.count, torch.Tensor)
+
+    def check(self, step: int) -> int:
+        """The count after `step`; NonFiniteSteps when it has reached the limit. Same on every rank: a step is
+        skipped on the global gradient norm (or the loss scaler's world-wide overflow check)."""
+        n = int(self.count)
+        if n >= self.limit:
+            raise NonFiniteSteps(
+                f"training stopped at step {step}: its last {n} steps ({step - n + 1} to {step}) were non-finite "
+                f"(loss or gradients nan or inf, each step skipped), train.max_nonfinite_steps = {self.limit}; no "
+                f"checkpoint of them was made. Look for nan or inf in the starting weights or the data, or a "
+                f"train.lr too large, then resume from the newest checkpoint")
+        return n
+
+
+def agree_on_failure(fn: Callable[[], Any], rank: int, device: torch.device) -> Any:
+    """fn() on every rank, and when it raised on any rank, an error on every rank (collective): the lowest failing
+    rank's message, broadcast, raised as a ValueError by ranks where fn() succeeded (a failing rank raises its own).
+    For work whose outcome differs by rank, which would otherwise leave the others in the next collective."""
+    error: Exception | None = None
+    try:
+        out = fn()
+    except Exception as e:
+        error = e
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return out
+    world = dist.get_world_size()
+    first = torch.tensor([float(world if error is None else rank)], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return out
+    box = [str(error) if rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    if error is not None:
+        raise error
+    raise ValueError(f"rank {src}: {box[0]}")
+
+
 class Trainer:
     """Builds one rank's training (parallel model, optimizer, schedule, loss scaler, data) from the config and the
     session, and steps it: train_step() is one optimizer step; fit() runs the loop with checkpoints and metrics."""
@@ -83,6 +148,7 @@ class Trainer:
                                              self.micro_batch, s.mesh.group("dp"), self.device)
                           if cfg.train.eval_every else None)
         self.progress = Progress()
+        self.nonfinite = NonFiniteStreak(cfg.train.max_nonfinite_steps)
         self.sync_steps = True  # train_step reads its metrics to the host every step; fit() only on log steps
         self.dp_group = s.mesh.group("dp")
         self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
@@ -214,6 +280,7 @@ class Trainer:
         if t.grad_clip > 0 and finite:  # a non-finite norm only touches the gradients of a step that is skipped
             optim.clip_grads(self.params, t.grad_clip, norm)
         skipped = self._optimizer_step(norm, finite)
+        self.nonfinite.add(skipped)
         if self.scaler.enabled:
             self.scaler.update(not skipped)
         lr = self.scheduler.get_last_lr()[0]
@@ -272,7 +339,7 @@ class Trainer:
             self.pm.model, self.optimizer)  # pm.model, not .model: a resume loads into the unfilled weights
         saved = Saved(self.pm.model, optimizer, self.progress,
                       {"scheduler": self.scheduler, "scaler": self.scaler, "data": self.loader},
-                      fill=self.pm.fill, loaded=self.pm.loaded)
+                      fill=self.pm.fill, loaded=self.pm.loaded, nonfinite=lambda: self.nonfinite.check(self.step))
         return Checkpointer(self.cfg, dataclasses.asdict(self.plan.layout), self.s.run_dir, self.s.rank,
                             self.device, saved, phase=self.hb.enter)
 
@@ -284,7 +351,9 @@ class Trainer:
         resumed = ckpt.load()
         hf = hfconfig.hf_dir(self.cfg.train.init_from)
         if hf is not None and resumed is None:
-            stats = hf_import.load_hf(self.pm.model, self.pm.dims, hf)
+            # each rank reads (and checks finite) only its own slices: a bad one stops every rank, not only its own
+            stats = agree_on_failure(lambda: hf_import.load_hf(self.pm.model, self.pm.dims, hf), self.s.rank,
+                                     self.device)
             self.pm.loaded()
             log.info("weights from Hugging Face directory %s: %d tensors from %d files, %.1f MB read by this rank",
                      hf, stats["tensors"], stats["files"], stats["bytes"] / 1e6)
@@ -325,12 +394,15 @@ class Trainer:
                 self.hb.enter("collective", "preemption poll on the world")
                 preempted = self.s.preempt.poll(self.device)
                 self.sync_steps = False  # the host reads the device on log steps only
+                start, committed = self.step, None
                 while self.step < self.cfg.train.steps and not preempted:
                     row = self.train_step()
                     logged = self.log_step(self.step)
                     tlog.step(row, self.tokens_seen, logged, self._rank_times() if logged else None)
                     if on_step is not None:
                         on_step(row)
+                    if logged or self.nonfinite.on_host():  # no wait for the device: it was read for the log
+                        self.nonfinite.check(self.step)
                     self.hb.enter("collective", "preemption poll on the world")
                     preempted = self.s.preempt.poll(self.device)
                     ev = self.evaluator
@@ -338,14 +410,25 @@ class Trainer:
                         self.hb.enter("eval")
                         tlog.eval(self.evaluate())
                     self.hb.enter("collective", "checkpoint requests on the world")
-                    ckpt.maybe_save(self.step, force=preempted)
+                    if ckpt.maybe_save(self.step, force=preempted) and preempted:
+                        committed = self.step
                 losses = tlog.close()
                 if not preempted:
+                    self._check_trained(start)
                     ckpt.maybe_save(self.step, final=True)
         finally:
             self.loader.close()  # the read-ahead thread; it rewinds to the consumed batches, so stepping on is fine
             self.sync_steps = True
-        return self._summary(resumed, preempted, losses, tlog.last, peak, gemm, memory)
+        return self._summary(resumed, preempted, committed, losses, tlog.last, peak, gemm, memory)
+
+    def _check_trained(self, start: int) -> None:
+        """At the end of training: a run whose every step was non-finite trained nothing, whatever the limit."""
+        streak = self.nonfinite.check(self.step)
+        if self.step > start and streak >= self.step - start:
+            raise NonFiniteSteps(f"training ended at step {self.step} with nothing trained: every step of this run "
+                                 f"({start + 1} to {self.step}) was non-finite (loss or gradients nan or inf, each "
+                                 f"skipped); no checkpoint of them was made. Look for nan or inf in the starting "
+                                 f"weights or the data")
 
     def _rank_times(self) -> dict[str, Any]:
         """The straggler report of the steps since the previous log step (collective: every rank, log steps)."""
@@ -358,7 +441,7 @@ class Trainer:
         self.stragglers.add(report)
         return report
 
-    def _summary(self, resumed, preempted, losses, last, peak, gemm, memory) -> dict[str, Any]:
+    def _summary(self, resumed, preempted, committed, losses, last, peak, gemm, memory) -> dict[str, Any]:
         out = {"steps": self.step, "first_loss": losses[0] if losses else None, "final": last,
                "peak_tflops": peak.tflops, "peak_source": peak.source, "gemm": gemm, "tf32": self.tf32,
                "memory": memory, "tokens_seen": self.tokens_seen, "resumed_from": resumed, "preempted": preempted,
@@ -370,10 +453,24 @@ class Trainer:
             out["pipeline"] = self.pipe.summary(self.cfg.train.grad_accum)
             if self.s.rank == 0:
                 log.info("pipeline %s", out["pipeline"]["line"])
+        if preempted:
+            out["preempt_checkpoint"] = committed  # the step this attempt committed on the way out, or None
         if preempted and self.s.rank == 0:
             out["requeue"] = preempt.requeue()
-            log.info("preempted at step %d: checkpoint committed, %s", self.step, out["requeue"])
+            log.info("preempted at step %d: %s; %s", self.step, self._preempt_saved(resumed, committed),
+                     out["requeue"])
         return out
+
+    def _preempt_saved(self, resumed: int | None, committed: int | None) -> str:
+        """What a preemption left behind, as the log says it: the checkpoint it committed, or why none."""
+        if committed is not None:
+            return f"checkpoint of step {committed} committed"
+        if self.step == (resumed or 0):
+            return ("no checkpoint written: nothing was trained" if resumed is None else
+                    f"no checkpoint written: nothing trained since the resume, step {resumed}'s checkpoint stays "
+                    f"the newest")
+        return ("no checkpoint written: every step of this attempt was non-finite (nothing trained)"
+                + ("" if resumed is None else f", step {resumed}'s checkpoint stays the newest"))
 
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:

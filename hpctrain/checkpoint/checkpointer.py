@@ -11,6 +11,13 @@ in the background, one save in flight, committed as soon as every rank has writt
 Leaving the block normally waits for a save in flight and commits it; leaving it on an error abandons it
 (never committed) and gives the directory back. The storage lifecycle below it (temporary directory, commit
 marker, pruning, verified loads) is CheckpointManager's (manager.py).
+
+Non-finite steps (skipped: the weights stay as the last finite step left them) are asked of the trainer only when
+a save is due (Saved.nonfinite; on GPUs the count lives on the device, so asking waits for it): a periodic or
+requested save waits for the first finite step, and the final save is not made while the latest steps are
+non-finite. A preemption saves during a short streak all the same, as its weights are the last finite step's and
+refusing would lose every step since the previous checkpoint with the data position; but when every step since
+the start was non-finite nothing was trained, and nothing is saved.
 """
 from __future__ import annotations
 
@@ -60,13 +67,16 @@ class Saved:
     """What a checkpoint holds. `model` and `optimizer` go through DCP as sharded tensors (reshardable); the
     progress and every `control` object as JSON in train_state.json (keys: step, tokens_seen, then the control
     names, then world_size); every rank's CPU RNG state as one table. `fill` runs before a save (weights not yet
-    filled from the seeded init are filled), `loaded` after a load (every weight came from the checkpoint)."""
+    filled from the seeded init are filled), `loaded` after a load (every weight came from the checkpoint).
+    `nonfinite` says how many of the latest steps were non-finite (skipped); asked only when a save is due, as it
+    may wait for the device, and it may raise to stop the run (the trainer's limit)."""
     model: torch.nn.Module
     optimizer: Any  # a DCP Stateful: state.OptimizerState or state.ZeroOneOptimizerState
     progress: Progress
     control: dict[str, JsonStateful]
     fill: Callable[[], Any] = lambda: None
     loaded: Callable[[], Any] = lambda: None
+    nonfinite: Callable[[], int] = lambda: 0
 
 
 class Checkpointer:
@@ -85,6 +95,7 @@ class Checkpointer:
             log.warning("tokenizer files not recorded in checkpoints: %s", ", ".join(skipped))
         self.provenance = ckpt_state.provenance(to_dict(cfg), layout, cfg.parallel.zero_stage, rank)
         self.loaded_step: int | None = None
+        self.deferred = False  # a periodic or requested save waits for the first finite step
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -133,11 +144,21 @@ class Checkpointer:
         Otherwise: commits a background save once every rank has written it; saves every checkpoint.every_steps
         (not the last step, which is final's) and when SAVE_NOW appeared, in the background with
         checkpoint.async_save; a periodic save that finds no space is skipped with a warning (earlier
-        checkpoints stay), while a forced or final one raises NoSpace."""
+        checkpoints stay), while a forced or final one raises NoSpace. Non-finite steps (the module docstring):
+        a periodic or requested save waits for the first finite step, a final one is not made, a forced one is
+        not made when no step since the start was finite."""
         if force or final:
             self.phase("checkpoint", f"save of step {step}")
             self.mgr.wait()
             if final and not (self.cfg.at_end and step > (self.loaded_step or 0)):
+                return False
+            streak = self.saved.nonfinite()
+            since_start = step - (self.loaded_step or 0)
+            if streak and (final or streak >= since_start):
+                log.warning("no checkpoint of step %d: %s", step,
+                            f"every step since the start ({step - since_start + 1} to {step}) was non-finite, "
+                            f"nothing was trained" if streak >= since_start else
+                            f"its last {streak} steps were non-finite (skipped); the newest checkpoint stays")
                 return False
             self._save(step)
             return True
@@ -146,8 +167,16 @@ class Checkpointer:
             self.phase("checkpoint", "commit of a background save")
             self.mgr.wait()  # every rank's background write is done: commit now, not at the next save
         every = self.cfg.every_steps
-        if not ((every and step % every == 0 and step < self.total_steps) or save_now):
+        if not (((every and step % every == 0) or self.deferred) and step < self.total_steps or save_now):
             return False
+        streak = self.saved.nonfinite()
+        if streak:
+            if not self.deferred:
+                log.warning("checkpoint of step %d waits for the first finite step: the last %d steps were "
+                            "non-finite (skipped)", step, streak)
+            self.deferred = True
+            return False
+        self.deferred = False
         self.phase("checkpoint", f"save of step {step}")
         try:
             self._save(step, asynchronous=self.cfg.async_save)

@@ -9,7 +9,9 @@ hpctrain pads on (to a multiple of lcm(64, tp)) are zeros: their logits start at
 as no target is ever a padding id. Nothing in the directory is trusted: model.safetensors.index.json may only
 name plain files inside the directory, every tensor hpctrain needs must be there exactly once with its shape,
 and an unknown tensor is refused (a directory of another architecture or size). Every rank checks every
-tensor's header (shape, dtype) before reading, so a bad directory stops all ranks alike. hfconfig has already
+tensor's header (shape, dtype) before reading, so a bad directory stops all ranks alike; every value a rank reads
+is checked finite before it reaches the model (a nan there makes every step's loss nan), and as each rank reads
+only its own slices the trainer makes every rank fail when one does (train.Trainer.start). hfconfig has already
 checked config.json against [model] when the Config was built. Imports safetensors (the `hf` extras) only when
 called.
 """
@@ -199,6 +201,11 @@ def load_hf(model: nn.Module, dims: ModelDims, directory: Path) -> dict[str, Any
                 offset, shape = shard_box(p)
                 rows_held = true_rows if n in VOCAB_ROWS else shapes[n][0]
                 box = _read_box(handles[found[key]], key, offset, shape, rows_held)
+                bad = int((~torch.isfinite(box)).sum())  # on the host, before the box reaches the model
+                if bad:
+                    raise ValueError(f"{where}: {str(found[key])!r} holds non-finite weights: {key} has {bad} nan "
+                                     f"or inf values among the {box.numel()} this rank read; every step would be "
+                                     f"nan")
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.copy_(box.to(local.dtype))
                 read += box.numel() * box.element_size()

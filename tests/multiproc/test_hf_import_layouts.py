@@ -3,18 +3,22 @@ untied, vocabulary 100 padded, 4 layers, saved sharded with an index) imported a
 tp=2, pp=2 x dp=2 and interleaved pp=2 (2 stages a rank) x dp=2 ZeRO-2, and a tied one at tp=2 x dp=2 ZeRO-2
 (still one matrix), holds exactly the HF weights on every shard and stage (each rank read only its slices),
 and its logits equal transformers' within 1e-4 in fp32; the pp=2 x tp=2 import saved as a checkpoint and exported
-with `hpctrain ckpt export --format hf` gives back the same tensors and logits. One process: tests/pure/
-test_hf_import.py.
+with `hpctrain ckpt export --format hf` gives back the same tensors and logits. A nan in the rows only tp rank 1
+reads stops both ranks, each naming the tensor. One process: tests/pure/test_hf_import.py.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hf_import_layouts.py
 """
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
+from faults import record
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
-from helpers import spawn_cases
+from helpers import WORKERS, free_base_port, spawn_cases, spawn_ranks
 from hpctrain.dims import ModelDims
 
 RUN = ["model.max_seq_len=64", "data.source=synthetic", "data.seq_len=16", "train.steps=1", "train.log_every=100",
@@ -77,3 +81,29 @@ def test_export_from_pipeline_checkpoint_gives_back_the_hf_model(runs, tmp_path)
         assert torch.equal(back[k], v), k
     ids = tokens(100, 24, seed=1)
     assert (hf_logits(tmp_path / "back", ids) - hf_logits(runs["out"] / "hf", ids)).abs().max() == 0
+
+
+@pytest.mark.faults
+def test_a_nan_one_rank_reads_stops_every_rank(tmp_path) -> None:
+    """Each rank reads only its own slices, so only tp rank 1 sees a nan in the last rows of q_proj: every rank
+    must fail on it (rank 0 with rank 1's message), not go on into a collective that rank 1 never reaches."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_llama(tmp_path / "hf", dim=64)
+    f = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors[key][-1, 0] = float("nan")  # row 63 of 64: tp rank 1's half
+    save_file(tensors, f, metadata={"format": "pt"})
+    cases = [{"name": "nan", "overrides": RUN + ["parallel.tp=2", "parallel.timeout_s=60",
+                                                 f"train.init_from=hf:{tmp_path / 'hf'}"]}]
+    cmd = [sys.executable, str(WORKERS / "hf_import_worker.py"), str(tmp_path), json.dumps(cases),
+           str(free_base_port(1))]
+    procs = spawn_ranks(2, cmd, ranks_per_node=2, run_id="hfnan")
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    errors = [json.loads((tmp_path / f"errors-rank{r}.json").read_text()).get("nan", "") for r in range(2)]
+    for rank, error in enumerate(errors):
+        assert str(f) in error and key in error and "1 nan or inf values" in error, (rank, errors, logs)
+    assert errors[0].startswith("ValueError: rank 1: ")
+    record("HF weights with a NaN in the slice only one rank reads (tp=2)", "every rank fails before training "
+           "naming the file and the tensor", tier="multi-process")

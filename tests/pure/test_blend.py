@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from faults import record
 
 from helpers import SMALL, refused
 from hpctrain import data, session
@@ -132,3 +133,22 @@ def test_refusals(files, tmp_path) -> None:
             fragments=["not both"])
     cfg = load_config(None, base + [f"data.paths={[str(f) for f in files]}", "train.eval_every=2"])
     refused(data.open_val_source, cfg.data, 2100, fragments=["big.val.bin", "does not exist"])
+
+
+@pytest.mark.faults
+def test_extreme_weights_mix_by_their_ratio_or_are_refused(files) -> None:
+    """Weights are normalised by the largest first: 1.5e308 and 1e308 (their sum is inf, which made both shares 0
+    and the mix 50/50) mix 60/40. A subnormal weight, or one whose share of the samples underflows beside the
+    largest (the file would never be read), is refused naming data.weights."""
+    base = ["model.vocab_size=2100", "data.source=bin", "data.seq_len=8", f"data.paths={[str(f) for f in files]}"]
+    shares = load_config(None, base + ["data.weights=[1.5e308, 1e308]"]).data.shares
+    assert shares == pytest.approx([0.6, 0.4], rel=1e-12)
+    assert blend_order(shares, [0, 0], 100).count(0) == 60
+    assert load_config(None, base + ["data.weights=[1e-300, 3e-300]"]).data.shares == pytest.approx([0.25, 0.75])
+    refused(load_config, None, base + ["data.weights=[1e-320, 1e-320]"],
+            fragments=["data.weights = [1e-320, 1e-320]", "1e-320 is below the smallest normal float"])
+    refused(load_config, None, base + ["data.weights=[1e300, 1e-300]"],
+            fragments=["data.weights = [1e+300, 1e-300]", "1e-300 is so small", "never be read"])
+    record("blend weights [1.5e308, 1e308] (their sum overflows: mixed 50/50), subnormal weights, a share that "
+           "underflows", "mixed 60/40 by their ratio; the others a ValueError at load naming data.weights",
+           tier="pure")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import record
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
 from helpers import full_weights, refused
@@ -165,3 +166,37 @@ def test_damaged_directories_are_refused(hf_dirs, tmp_path) -> None:
     (d / "model.safetensors").unlink()
     (d / "model.safetensors").symlink_to(hf / "model.safetensors")
     refused(load, d, fragments=["not a regular file"])
+
+
+@pytest.mark.faults
+def test_non_finite_weights_are_refused_before_training(hf_dirs, tmp_path) -> None:
+    """A nan (or an inf) in one tensor made every step's loss nan, each step skipped, and the run ended with exit
+    status 0 and a committed checkpoint. Refused now as the tensor is read, naming the file, the tensor and the
+    count, before any step and with no checkpoint; a sharded directory names the shard that holds it."""
+    from safetensors.torch import load_file, save_file
+
+    hf, _ = hf_dirs["single"]
+    for bad, key, count in ((float("nan"), "model.embed_tokens.weight", 2),
+                            (float("inf"), "model.layers.1.mlp.down_proj.weight", 1)):
+        d = _copy(hf, tmp_path / f"bad-{bad}")
+        tensors = load_file(d / "model.safetensors")
+        tensors[key].view(-1)[:count] = bad
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        cfg = _cfg(tmp_path / str(bad), d)
+        with session.start(cfg) as s:
+            trainer = Trainer(cfg, s)
+            refused(trainer.fit, fragments=[f"train.init_from = 'hf:{d}'", str(d / "model.safetensors"), key,
+                                            f"{count} nan or inf values"])
+            assert trainer.step == 0
+        assert not (tmp_path / str(bad) / "ck").exists() or not any((tmp_path / str(bad) / "ck").iterdir())
+    d = _copy(hf_dirs["sharded"][0], tmp_path / "sharded")
+    index = json.loads((d / hf_import.INDEX_NAME).read_text())["weight_map"]
+    key = "model.layers.0.self_attn.k_proj.weight"
+    shard = d / index[key]
+    tensors = load_file(shard)
+    tensors[key][3, 5] = float("-inf")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    dims = ModelDims.from_config(_cfg(tmp_path, d).model)
+    refused(hf_import.load_hf, Transformer(dims), dims, d, fragments=[str(shard), key, "1 nan or inf values"])
+    record("HF weights with a NaN (or an inf) in one tensor", "ValueError naming the file, the tensor and the "
+           "count before the first step; no checkpoint", tier="pure")

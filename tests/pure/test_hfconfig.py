@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import record
 
 from helpers import refused
 from hpctrain import hfconfig
@@ -146,10 +147,52 @@ def test_config_json_itself_is_checked(tmp_path) -> None:
         refused(table, tmp_path / name, fragments=[fragment])
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "config.json").write_text(" " * (2 << 20) + "{}")
-    refused(table, tmp_path / "big", fragments=["too large"])
+    refused(table, tmp_path / "big", fragments=["config.json", "bytes, more than the 1048576"])
     (tmp_path / "link").mkdir()
     (tmp_path / "link" / "config.json").symlink_to(_config_dir(tmp_path / "real") / "config.json")
     refused(table, tmp_path / "link", fragments=["is missing"])  # a link is not read
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("change,fragments", [
+    ({"tie_word_embeddings": "false"}, ["tie_word_embeddings = 'false'", "true or false"]),
+    ({"tie_word_embeddings": 0}, ["tie_word_embeddings = 0", "true or false"]),
+    ({"attention_bias": "false"}, ["attention_bias = 'false'", "true or false"]),
+    ({"mlp_bias": None}, ["mlp_bias = None", "true or false"]),
+    ({"rope_theta": "500000"}, ["rope_theta = '500000'", "a finite number"]),
+    ({"rope_theta": True}, ["rope_theta = True", "a finite number"]),
+    ({"rms_norm_eps": [1e-5]}, ["rms_norm_eps = [1e-05]", "a finite number"]),
+    ({"rope_theta": ..., "rope_parameters": {"rope_theta": "1e6"}}, ["rope_parameters.rope_theta = '1e6'"]),
+    ({"rope_parameters": "default"}, ["rope_parameters = 'default'", "an object"]),
+    ({"head_dim": 8.0}, ["head_dim = 8.0", "an integer"]),
+])
+def test_config_json_values_must_have_their_json_type(tmp_path, change, fragments) -> None:
+    """A JSON string where a bool belongs is truthy in Python: "false" was read as a tied model. Every flag, size
+    and float of config.json is read with its JSON type or refused naming the key and the value."""
+    d = _config_dir(tmp_path / "x", **change)
+    refused(hfconfig.model_table, f"hf:{d}", {}, fragments=["train.init_from", "config.json", *fragments])
+    refused(load_config, None, RUN + [f"train.init_from=hf:{d}"], fragments=fragments)
+    record("HF config.json with tie_word_embeddings = \"false\" (a string; read as true) or another flag, size "
+           "or float of the wrong JSON type", "ValueError at config load naming the key and the value", tier="pure")
+
+
+@pytest.mark.faults
+def test_config_json_is_read_as_untrusted(tmp_path) -> None:
+    """Nesting past untrusted.MAX_DEPTH (a RecursionError traceback in json before) and a lone surrogate are
+    refused naming the file; a well-typed config.json is read as before (NaN and Infinity are not numbers here)."""
+    deep = _config_dir(tmp_path / "deep")
+    (deep / "config.json").write_text(json.dumps(CONFIG)[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    refused(hfconfig.model_table, f"hf:{deep}", {}, fragments=["train.init_from", "config.json", "is not JSON",
+                                                               "nested more than 64 deep"])
+    lone = _config_dir(tmp_path / "lone")
+    (lone / "config.json").write_text(json.dumps(CONFIG)[:-1] + ', "model_type": "\\ud800"}')
+    refused(hfconfig.model_table, f"hf:{lone}", {}, fragments=["config.json", "lone surrogate"])
+    inf = _config_dir(tmp_path / "inf")
+    (inf / "config.json").write_text(json.dumps(CONFIG).replace("500000.0", "Infinity"))
+    refused(hfconfig.model_table, f"hf:{inf}", {}, fragments=["rope_theta = inf", "a finite number"])
+    assert hfconfig.model_table(f"hf:{_config_dir(tmp_path / 'ok')}", {})["tie_embeddings"] is False
+    record("HF config.json nested 100000 deep or holding a lone surrogate", "ValueError naming the file, no "
+           "traceback", tier="pure")
 
 
 def test_load_config_takes_model_from_the_directory(tmp_path) -> None:

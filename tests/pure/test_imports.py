@@ -22,41 +22,43 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
-    ["hfconfig", "cliutil", "sections", "hostlist", "untrusted"],
-    # 1: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
+    ["cliutil", "sections", "hostlist", "untrusted"],
+    # 1: an HF directory's config.json, read through untrusted
+    ["hfconfig"],
+    # 2: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
     # nothing of hpctrain
     ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "heartbeat", "ending",
      "parallel/__init__",
      "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
      "checkpoint/index"],
-    # 2: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
+    # 3: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
     # GEMM probe, DCP planners, the checkpoint lock, the doctor's verdicts (pure)
     ["runs", "tokenfiles", "rendezvous", "mesh", "dims", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
      "checkpoint/lock", "doctor_report"],
-    # 3: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
+    # 4: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
     # single-device model; what checkpoints cost; what a host says about itself (storage, environment); the hang
     # watchdog; the straggler report
     ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing", "databuild", "hostprobe",
      "watchdog", "stragglers"],
-    # 4: one module per parallelism; the planner's model-state memory
+    # 5: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
      "planner/peak", "tokenized", "blend", "diagnose"],
-    # 5: what the trainer is made of
+    # 6: what the trainer is made of
     ["session", "parallel/compose", "optim", "data", "metrics", "bench/colls", "hangrequeue",
      "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
-    # 6
+    # 7
     ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search",
      "checkpoint/hf_import", "evaluate"],
-    # 7: the checkpoint directory's lifecycle; the doctor's measurements and the training preflight
+    # 8: the checkpoint directory's lifecycle; the doctor's measurements and the training preflight
     ["checkpoint/manager", "doctor"],
-    # 8: a run's checkpoint policy
+    # 9: a run's checkpoint policy
     ["checkpoint/checkpointer"],
-    # 9: the jobs (what one rank runs) and the login-node readers
+    # 10: the jobs (what one rank runs) and the login-node readers
     ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 10: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export; the
+    # 11: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export; the
     # commands cli registers (doctor gets cli's launch helpers as arguments)
     ["launch", "checkpoint/hf", "cli_data", "cli_doctor", "cli_diagnose"],
-    # 11: the `hpctrain` command
+    # 12: the `hpctrain` command
     ["cli"],
 ]
 
