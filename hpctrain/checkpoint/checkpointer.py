@@ -14,10 +14,11 @@ marker, pruning, verified loads) is CheckpointManager's (manager.py).
 
 Non-finite steps (skipped: the weights stay as the last finite step left them) are asked of the trainer only when
 a save is due (Saved.nonfinite; on GPUs the count lives on the device, so asking waits for it): a periodic or
-requested save waits for the first finite step, and the final save is not made while the latest steps are
-non-finite. A preemption saves during a short streak all the same, as its weights are the last finite step's and
-refusing would lose every step since the previous checkpoint with the data position; but when every step since
-the start was non-finite nothing was trained, and nothing is saved.
+requested save waits for the first finite step. The final save and a preemption's save are made during a short
+streak all the same (below train.max_nonfinite_steps: the trainer stops the run at the limit before any save), as
+their weights are the last finite step's and refusing would lose every step since the previous checkpoint with the
+data position (with fp16 loss scaling a skipped last step is ordinary); but when every step since the start was
+non-finite nothing was trained, and nothing is saved.
 """
 from __future__ import annotations
 
@@ -145,8 +146,8 @@ class Checkpointer:
         (not the last step, which is final's) and when SAVE_NOW appeared, in the background with
         checkpoint.async_save; a periodic save that finds no space is skipped with a warning (earlier
         checkpoints stay), while a forced or final one raises NoSpace. Non-finite steps (the module docstring):
-        a periodic or requested save waits for the first finite step, a final one is not made, a forced one is
-        not made when no step since the start was finite."""
+        a periodic or requested save waits for the first finite step; a forced or final one is not made when no
+        step since the start was finite."""
         if force or final:
             self.phase("checkpoint", f"save of step {step}")
             self.mgr.wait()
@@ -154,12 +155,13 @@ class Checkpointer:
                 return False
             streak = self.saved.nonfinite()
             since_start = step - (self.loaded_step or 0)
-            if streak and (final or streak >= since_start):
-                log.warning("no checkpoint of step %d: %s", step,
-                            f"every step since the start ({step - since_start + 1} to {step}) was non-finite, "
-                            f"nothing was trained" if streak >= since_start else
-                            f"its last {streak} steps were non-finite (skipped); the newest checkpoint stays")
+            if streak and streak >= since_start:
+                log.warning("no checkpoint of step %d: every step since the start (%d to %d) was non-finite, nothing "
+                            "was trained", step, step - since_start + 1, step)
                 return False
+            if streak:
+                log.warning("checkpoint of step %d holds the weights of step %d: its last %d steps were non-finite "
+                            "(skipped)", step, step - streak, streak)
             self._save(step)
             return True
         save_now, writing = self._requests()

@@ -1,11 +1,12 @@
 """Non-finite steps, one rank: a run whose steps are all non-finite stops with NonFiniteSteps naming the step
 (`hpctrain train` exits 1) after train.max_nonfinite_steps of them, or at its end when it has fewer steps, and no
-checkpoint of those steps is committed (a periodic save inside the streak waits, the final one is not made); on
-the fused optimizer's path the count stays on the device and is read on log steps; a streak below the limit
-trains on and its periodic save lands on the first finite step; a preemption during a short streak commits, one
-after nothing but non-finite steps does not; a run preempted before its first step says that it wrote nothing.
-The non-finite steps come from a train.lr so large that the first step's update overflows the next forward, from
-weights set to nan after the seeded init, or from gradients set to inf by a hook (all test-side).
+checkpoint of those steps is committed (a periodic save inside the streak waits; a final one below the limit keeps
+the last finite weights and the data position); on the fused optimizer's path the count stays on the device and is
+read on log steps; a streak below the limit trains on and its periodic save lands on the first finite step; a
+preemption during a short streak commits, one after nothing but non-finite steps does not; a run preempted before
+its first step says that it wrote nothing. The non-finite steps come from a train.lr so large that the first step's
+update overflows the next forward, from weights set to nan after the seeded init, or from gradients set to inf by a
+hook (all test-side).
 
     .venv/bin/python -m pytest -q tests/pure/test_nonfinite.py
 """
@@ -151,11 +152,13 @@ def test_a_short_streak_trains_on_and_its_periodic_save_waits_for_a_finite_step(
            "periodic save due inside the streak is committed at the first finite step", tier="pure")
 
 
-def test_the_final_save_is_not_made_while_the_last_steps_are_nonfinite(tmp_path) -> None:
+def test_the_final_save_after_a_short_streak_keeps_the_work(tmp_path) -> None:
+    """A skipped last step (ordinary with fp16 loss scaling) does not cost the steps since the previous checkpoint:
+    the final save holds step 3's weights (step 4 changed nothing) and step 4's data position."""
     cfg = _cfg(tmp_path, "train.steps=4", "checkpoint.every_steps=2", "train.log_every=100")
     out, log = _fit(cfg, inf_gradients({4}))
-    assert out["steps"] == 4 and _steps(tmp_path) == [2]
-    assert "no checkpoint of step 4: its last 1 steps were non-finite (skipped); the newest checkpoint stays" in log
+    assert out["steps"] == 4 and _steps(tmp_path) == [2, 4]
+    assert "checkpoint of step 4 holds the weights of step 3: its last 1 steps were non-finite (skipped)" in log
 
 
 def test_preemption_saves_during_a_short_streak_but_not_after_nothing_but_nonfinite_steps(tmp_path,
