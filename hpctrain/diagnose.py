@@ -3,7 +3,9 @@
     report = diagnose(run_dir)     # {"kind": "hang" | "failed" | "finished" | "running", "lines": [...], ...}
     print(format_report(report))
 
-Inputs, none of them trusted (sizes checked, never unpickled, nothing followed out of RUN_DIR):
+Inputs, none of them trusted (read with hpctrain.untrusted: sizes bounded, JSON depth bounded, every field's type
+checked, never unpickled, no link followed, neither a file's nor a directory's; damaged ones are named as
+problems and left out):
     heartbeat/rankNNNNN.hb      each rank's last step and phase and its fixed facts (host, node, mesh coordinates);
                                 hang/heartbeat/ holds them as the hang left them, when the first rank kept them
     hang/request                which rank's watchdog saw the hang first, and why
@@ -11,6 +13,8 @@ Inputs, none of them trusted (sizes checked, never unpickled, nothing followed o
     hang/rankNNNNN.fr.json      each live rank's flight recorder: its collectives in flight, per group
     logs/rankNNNNN.log          ERROR lines
     metrics.jsonl               the straggler report of every log step (rank 0's rows): a crawling run's slow ranks
+Every loop and every list is sized by the files the directory holds, never by a number read from one: a rank is
+below the config's limit (MAX_WORLD_SIZE), and the world group is the ranks present.
 
 A hang is a wait-for graph: a rank in flight in collective #k of group G waits for the members of G whose flight
 recorder never reached #k, or who left no dump at all (stopped, or stuck where Python cannot run). Following the
@@ -19,22 +23,33 @@ processes, mpiexec and Slurm (the run directory is the same).
 """
 from __future__ import annotations
 
-import json
+import math
+import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpctrain import heartbeat, stragglers
-from hpctrain.watchdog import REQUEST, hang_path
+from hpctrain.untrusted import Untrusted, parse_json, read_bytes
+from hpctrain.watchdog import REQUEST, read_request
 
 MAX_DUMP_BYTES = 64 << 20  # a flight recorder of 20000 entries is a few MB; anything bigger is not ours
+MAX_LOG_BYTES = 256 << 20
+MAX_FRAMES = 64  # of the main thread's stack: the report shows three
 AXES = ("pp", "dp", "tp")
 # errors a rank raises because a peer went away, not for a fault of its own
 PEER_ERRORS = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|Timed out|timed out|"
                          r"recvBytes|sendBytes|NCCL communicator was aborted|ProcessGroup.*abort|Socket Timeout",
                          re.IGNORECASE)
+DUMP_MARK = "# hpctrain hang dump "
+# the dump header's fields (watchdog.dump_stacks) and their types; "number": an int or a finite float
+HEADER_TYPES: dict[str, tuple[Any, ...]] = {
+    "rank": (int,), "host": (str,), "node": (str, type(None)), "pid": (int,), "step": (int,), "phase": (str,),
+    "detail": (str,), "idle_s": ("number",), "frozen_s": ("number",), "reason": (str,), "wall": ("number",),
+    "threads": (dict,)}
 
 
 @dataclass
@@ -73,67 +88,112 @@ def who(ranks: list[int], by_rank: dict[int, Rank]) -> str:
     return f"rank{'s' if len(set(ranks)) > 1 else ''} {ranges(ranks)}" + (f" ({', '.join(nodes)})" if nodes else "")
 
 
-def _read_text(path: Path, limit: int = MAX_DUMP_BYTES) -> str | None:
-    """A regular file inside the run directory, not a link, at most `limit` bytes; None otherwise."""
+def printable(text: str) -> str:
+    """A line from what files said, safe for a terminal: control characters (a forged newline, an escape
+    sequence) become '?'."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _subdir(run_dir: Path, rel: str, problems: list[str]) -> Path | None:
+    """RUN_DIR/rel when it is a directory of its own; a link (or anything else by that name) is named in problems
+    and not followed; None then, and when there is none."""
+    path = run_dir / rel
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > limit:
-            return None
-        return path.read_text(errors="replace")
-    except OSError:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        problems.append(f"{rel}/: {e.strerror}")
+        return None
+    if not stat.S_ISDIR(mode):
+        problems.append(f"{rel}/: {'a symbolic link' if stat.S_ISLNK(mode) else 'not a directory'}, not followed")
+        return None
+    return path
+
+
+def _read_text(path: Path, problems: list[str], limit: int = MAX_DUMP_BYTES) -> str | None:
+    """A regular file, not a link, at most `limit` bytes, as text; None (and the reason in problems) otherwise."""
+    try:
+        return read_bytes(path, limit).decode("utf-8", errors="replace")
+    except Untrusted as e:
+        problems.append(str(e))
         return None
 
 
-def parse_dump(text: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """A hang/rankNNNNN.txt: (its header, the main thread's frames innermost first as 'file:line in func')."""
-    lines = text.splitlines()
-    header = None
-    if lines and lines[0].startswith("# hpctrain hang dump "):
-        try:
-            header = json.loads(lines[0][len("# hpctrain hang dump "):])
-        except ValueError:
-            header = None
-    main_ids = {k for k, v in (header or {}).get("threads", {}).items() if v == "MainThread"}
+def parse_dump(text: str, where: str = "hang dump") -> tuple[dict[str, Any], list[str]]:
+    """A hang/rankNNNNN.txt: (its header, the main thread's frames innermost first as 'file:line in func').
+    Raises Untrusted for a dump whose header is missing, not JSON or holds a field of the wrong type."""
+    first, _, rest = text.partition("\n")
+    if not first.startswith(DUMP_MARK):
+        raise Untrusted(f"{where}: no hpctrain hang dump header")
+    header = parse_json(first[len(DUMP_MARK):], where)
+    if not isinstance(header, dict):
+        raise Untrusted(f"{where}: its header is not a JSON object")
+    for key, types in HEADER_TYPES.items():
+        v = header.get(key)
+        ok = any(_is_number(v) if t == "number" else isinstance(v, t) and not isinstance(v, bool) for t in types)
+        if key in header and not ok:
+            raise Untrusted(f"{where}: its header's {key} is a {type(v).__name__}")
+    threads = header.get("threads", {})
+    if not all(isinstance(v, str) for v in threads.values()):
+        raise Untrusted(f"{where}: its header's threads do not map ids to names")
+    main_ids = {k for k, v in threads.items() if v == "MainThread"}
     frames: list[str] = []
     current = None
-    for line in lines[1:]:
+    for line in rest.splitlines():
         m = re.match(r"(?:Current thread|Thread) (0x[0-9a-f]+)", line)
         if m:
             current = m.group(1)
             continue
         f = re.match(r'\s+File "(.+)", line (\d+) in (\S+)', line)
-        if f and current in main_ids:
+        if f and current in main_ids and len(frames) < MAX_FRAMES:
             frames.append(f"{Path(f.group(1)).name}:{f.group(2)} in {f.group(3)}")
     return header, frames
 
 
-def parse_flight_recorder(text: str) -> tuple[dict[str, Any] | None, dict[str, int]]:
-    """A hang/rankNNNNN.fr.json: (the earliest collective in flight, {group description: highest seq seen})."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None, {}
+def _entry_ok(e: Any) -> bool:
+    """A flight recorder entry with the fields read below, each of its type."""
+    if not isinstance(e, dict):
+        return False
+    pg = e.get("process_group")
+    p2p = e.get("is_p2p", False)
+    seq = e.get("p2p_seq_id" if p2p else "collective_seq_id")
+    return (isinstance(pg, list) and len(pg) == 2 and all(isinstance(x, str) for x in pg)
+            and isinstance(p2p, bool) and type(seq) is int and seq >= 0
+            and isinstance(e.get("profiling_name", ""), str) and isinstance(e.get("retired", True), bool)
+            and type(e.get("time_created_ns", 0)) is int)
+
+
+def parse_flight_recorder(text: str, where: str = "flight recorder") -> tuple[dict[str, Any] | None, dict[str, int]]:
+    """A hang/rankNNNNN.fr.json: (the earliest collective in flight, {group description: highest seq seen}).
+    Entries of the wrong shape are skipped; raises Untrusted for a file that is not a flight recorder's JSON."""
+    data = parse_json(text, where)
+    if not isinstance(data, dict):
+        raise Untrusted(f"{where}: not a JSON object")
     entries: list[dict[str, Any]] = []
     for part in ("nccl", "fr"):
-        block = data.get(part) if isinstance(data, dict) else None
+        block = data.get(part)
         if isinstance(block, dict) and isinstance(block.get("entries"), list):
-            entries += [e for e in block["entries"] if isinstance(e, dict)]
+            entries += [e for e in block["entries"] if _entry_ok(e)]
     last: dict[str, int] = {}
     flight = None
-    for e in sorted(entries, key=lambda e: e.get("time_created_ns", 0) if isinstance(e.get("time_created_ns"), int)
-                    else 0):
-        pg = e.get("process_group")
-        desc = str(pg[1]) if isinstance(pg, list) and len(pg) == 2 else "?"
-        p2p = bool(e.get("is_p2p"))
-        seq = e.get("p2p_seq_id" if p2p else "collective_seq_id")
-        if not isinstance(seq, int):
-            continue
+    for e in sorted(entries, key=lambda e: e.get("time_created_ns", 0)):
+        desc = e["process_group"][1]
+        p2p = e.get("is_p2p", False)
+        seq = e["p2p_seq_id" if p2p else "collective_seq_id"]
         # a group of an NCCL job has two backends (gloo for host tensors), each counting its own collectives
-        backend, _, op = str(e.get("profiling_name", "?:?")).partition(":")
+        backend, _, op = e.get("profiling_name", "?:?").partition(":")
         key = f"{backend}:{desc}" + (" p2p" if p2p else "")
         last[key] = max(last.get(key, 0), seq)
         if flight is None and e.get("retired") is False:
+            sizes, state = e.get("input_sizes"), e.get("state")
             flight = {"group": desc, "key": key, "op": op, "seq": seq, "p2p": p2p,
-                      "sizes": e.get("input_sizes"), "state": e.get("state")}
+                      "sizes": sizes if isinstance(sizes, list) else None,
+                      "state": state if isinstance(state, str) else None}
     return flight, last
 
 
@@ -144,57 +204,92 @@ def axis_of(desc: str) -> str:
     return desc.removeprefix("mesh_")
 
 
-def members(rank: int, axis: str, by_rank: dict[int, Rank], world: int) -> list[int] | None:
-    """The ranks of `rank`'s group along `axis`, from the mesh coordinates in the heartbeats; None if unknown."""
-    if axis == "world":
-        return list(range(world))
-    mine = by_rank[rank].beat.get("coords")
-    if axis not in AXES or not isinstance(mine, dict):
-        return None
-    out = []
-    for r, info in by_rank.items():
-        c = info.beat.get("coords")
-        if isinstance(c, dict) and all(c.get(a) == mine.get(a) for a in AXES if a != axis):
-            out.append(r)
-    return sorted(out)
+class Groups:
+    """Who shares which group with whom, from the heartbeats' mesh coordinates: indexed once, asked per waiting
+    rank. The world is the ranks the directory holds a file of (never a number read from one)."""
+
+    def __init__(self, by_rank: dict[int, Rank]) -> None:
+        self.world = sorted(by_rank)
+        self.index: dict[tuple[str, tuple[Any, ...]], list[int]] = {}
+        for r in self.world:
+            c = by_rank[r].beat.get("coords")
+            if isinstance(c, dict):
+                for axis in AXES:
+                    self.index.setdefault((axis, tuple(c.get(a) for a in AXES if a != axis)), []).append(r)
+
+    def key(self, rank: int, axis: str, by_rank: dict[int, Rank]) -> tuple[str, tuple[Any, ...]] | None:
+        """The group of `rank` along `axis` (hashable), None when unknown."""
+        if axis == "world":
+            return ("world", ())
+        mine = by_rank[rank].beat.get("coords")
+        if axis not in AXES or not isinstance(mine, dict):
+            return None
+        return (axis, tuple(mine.get(a) for a in AXES if a != axis))
+
+    def members(self, key: tuple[str, tuple[Any, ...]] | None) -> list[int]:
+        return self.world if key == ("world", ()) else self.index.get(key, []) if key else []
 
 
-def load(run_dir: Path) -> tuple[dict[int, Rank], list[str]]:
-    """Every rank's heartbeat, hang dump, flight recorder and first log error; and the problems met reading them."""
-    problems: list[str] = []
+def _dirs(run_dir: Path, problems: list[str]) -> dict[str, Any]:
+    """The run directory's parts that are directories of their own (None when absent or a link): hang/, the
+    heartbeats (hang/heartbeat/ as the hang left them when the first rank kept them, else heartbeat/), logs/."""
+    hang = _subdir(run_dir, "hang", problems)
+    kept = _subdir(run_dir, "hang/heartbeat", problems) if hang is not None else None
+    beats_rel = "hang/heartbeat" if kept is not None else "heartbeat"
+    return {"hang": hang, "beats": kept if kept is not None else _subdir(run_dir, "heartbeat", problems),
+            "beats_rel": beats_rel, "logs": _subdir(run_dir, "logs", problems)}
+
+
+def load(run_dir: Path, dirs: dict[str, Any], problems: list[str]) -> dict[int, Rank]:
+    """Every rank's heartbeat, hang dump, flight recorder and first log error; the problems met reading them go
+    to `problems`."""
     by_rank: dict[int, Rank] = {}
-    kept = run_dir / "hang" / "heartbeat"  # the heartbeats as the hang left them, when the first rank kept them
-    beats = kept if kept.is_dir() and not kept.is_symlink() else run_dir / "heartbeat"
-    for path in sorted(beats.glob("rank*.hb")):
+    for path in sorted(dirs["beats"].glob("rank*.hb")) if dirs["beats"] is not None else []:
         beat = heartbeat.read(path)
-        if "error" in beat or path.name != heartbeat.heartbeat_path("", beat.get("rank", -1)).name:
-            problems.append(f"heartbeat/{path.name}: {beat.get('error', 'named for another rank')}")
-            continue
-        by_rank[beat["rank"]] = Rank(beat["rank"], beat)
-    for path in sorted((run_dir / "hang").glob("rank*.txt")):
+        if "error" in beat:
+            problems.append(f"{dirs['beats_rel']}/{beat['error']}")
+        elif path.name != heartbeat.heartbeat_path("", beat["rank"]).name:
+            problems.append(f"{dirs['beats_rel']}/{path.name}: named for another rank than its rank {beat['rank']}")
+        else:
+            by_rank[beat["rank"]] = Rank(beat["rank"], beat)
+    hang = dirs["hang"]
+    for path in sorted(hang.glob("rank*.txt")) if hang is not None else []:
         m = re.fullmatch(r"rank(\d{5})\.txt", path.name)
-        text = _read_text(path)
-        if m is None or text is None:
+        text = _read_text(path, problems) if m else None
+        if text is None:
             continue
         r = by_rank.setdefault(int(m.group(1)), Rank(int(m.group(1))))
-        r.dump, r.main_stack = parse_dump(text)  # faulthandler lists the innermost frame first
-        fr = _read_text(hang_path(run_dir, r.rank, ".fr.json"))
-        if fr is not None:
-            r.in_flight, r.last_seq = parse_flight_recorder(fr)
-            r.has_fr = True
-    for path in sorted((run_dir / "logs").glob("rank*.log")):
+        try:
+            header, frames = parse_dump(text, f"hang/{path.name}")  # faulthandler lists the innermost frame first
+            if header.get("rank", r.rank) != r.rank:
+                raise Untrusted(f"hang/{path.name}: its header names rank {header['rank']}")
+            r.dump, r.main_stack = header, frames
+        except Untrusted as e:
+            problems.append(str(e))
+        fr = hang / f"rank{r.rank:05d}.fr.json"
+        text = _read_text(fr, problems) if os.path.lexists(fr) else None
+        if text is not None:
+            try:
+                r.in_flight, r.last_seq = parse_flight_recorder(text, f"hang/{fr.name}")
+                r.has_fr = True
+            except Untrusted as e:
+                problems.append(str(e))
+    for path in sorted(dirs["logs"].glob("rank*.log")) if dirs["logs"] is not None else []:
         m = re.fullmatch(r"rank(\d{5})\.log", path.name)
-        text = _read_text(path, 256 << 20)
-        if m is None or text is None:
+        text = _read_text(path, problems, MAX_LOG_BYTES) if m else None
+        if text is None:
             continue
         err = next((line for line in text.splitlines() if " ERROR " in line), "")
         if err:
             by_rank.setdefault(int(m.group(1)), Rank(int(m.group(1)))).log_error = err.split(" ERROR ", 1)[1][:300]
-    return by_rank, problems
+    return by_rank
 
 
 def _when(wall: Any) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(wall)) if isinstance(wall, (int, float)) else "?"
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(wall)) if _is_number(wall) else "?"
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds
+        return "?"
 
 
 def _doing(beat: dict[str, Any]) -> str:
@@ -216,65 +311,76 @@ def _position(r: Rank) -> str:
 def diagnose(run_dir: str | Path, history: bool = True) -> dict[str, Any]:
     """history=False leaves out the straggler history (a read of metrics.jsonl the hang path does not need)."""
     run_dir = Path(run_dir)
+    if run_dir.is_symlink():  # a hang-<time>/ planted as a link into another tree, say
+        raise ValueError(f"{run_dir} is a symbolic link: give the run directory itself ({os.path.realpath(run_dir)}"
+                         f" if you trust it)")
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir} is not a run directory")
-    by_rank, problems = load(run_dir)
-    world = max([*by_rank, -1]) + 1
-    request = _read_text(run_dir / "hang" / REQUEST, 4096)
-    if request is not None:
+    problems: list[str] = []
+    dirs = _dirs(run_dir, problems)
+    by_rank = load(run_dir, dirs, problems)
+    request = None
+    if dirs["hang"] is not None and os.path.lexists(dirs["hang"] / REQUEST):
+        try:
+            request = read_request(dirs["hang"] / REQUEST)
+        except Untrusted as e:
+            problems.append(str(e))
+            request = {}  # a request there, unreadable: still a hang, its first witness unknown
+        if request.get("damaged"):
+            problems.append(f"hang/request: {', '.join(request['damaged'])} of the wrong type")
         _drop_late_dumps(by_rank, request)
     if not by_rank:
-        return {"kind": "unknown", "lines": [f"{run_dir} holds no heartbeats, hang dumps or logs of ranks"],
-                "culprits": [], "files": [], "problems": problems}
-    if request is not None:
-        out = _hang(run_dir, by_rank, world, request)
+        out = {"kind": "unknown", "lines": [f"{run_dir} holds no heartbeats, hang dumps or logs of ranks"],
+               "culprits": [], "files": []}
+    elif request is not None:
+        out = _hang(run_dir, dirs, by_rank, request)
     else:
-        out = _ended(run_dir, by_rank)
+        out = _ended(dirs, by_rank)
     out["problems"] = problems
-    out["stragglers"] = stragglers.from_metrics(run_dir) if history else None  # a crawl: whom the others waited for
+    out["stragglers"] = stragglers.from_metrics(run_dir) if history and by_rank else None  # a crawl: who was slow
     if out["stragglers"] is not None:
         out["lines"].append(stragglers.history_line(out["stragglers"]))
+    for key in ("lines", "files", "problems"):  # what files said, safe for a terminal
+        out[key] = [printable(x) for x in out[key]]
     return out
 
 
 LATE_MARGIN_S = 0.5  # past the request's grace, when its maker stops waiting (clocks of hosts differ a little)
 
 
-def _drop_late_dumps(by_rank: dict[int, Rank], request: str) -> None:
+def _drop_late_dumps(by_rank: dict[int, Rank], request: dict[str, Any]) -> None:
     """A rank whose dump came after the others had to answer, or whose watchdog had been frozen just before it,
     was not answering then: stopped (Slurm's SIGCONT at the end or requeue of the job woke it) or stuck. Its dump
     does not count as one made in time."""
-    try:
-        req = json.loads(request)
-        deadline = float(req["wall"]) + float(req.get("grace_s", 0)) + LATE_MARGIN_S
-    except (ValueError, KeyError, TypeError):
+    if "wall" not in request:
         return
+    deadline = request["wall"] + request.get("grace_s", 0.0) + LATE_MARGIN_S
     for r in by_rank.values():
-        wall, frozen = (r.dump or {}).get("wall"), (r.dump or {}).get("frozen_s")
-        late = isinstance(wall, (int, float)) and wall > deadline
-        if late or (isinstance(frozen, (int, float)) and frozen > 0):
+        wall, frozen = (r.dump or {}).get("wall"), (r.dump or {}).get("frozen_s")  # numbers: parse_dump checked
+        late = wall is not None and wall > deadline
+        if late or (frozen is not None and frozen > 0):
             r.late_s = max(wall - deadline + LATE_MARGIN_S if late else 0.0, frozen or 0.0)
             r.dump, r.main_stack, r.in_flight, r.last_seq, r.has_fr = None, [], None, {}, False
 
 
-def _hang(run_dir: Path, by_rank: dict[int, Rank], world: int, request: str) -> dict[str, Any]:
-    try:
-        first = json.loads(request)
-    except ValueError:
-        first = {}
+def _hang(run_dir: Path, dirs: dict[str, Any], by_rank: dict[int, Rank], first: dict[str, Any]) -> dict[str, Any]:
     lines = [f"hang: first seen by rank {first.get('rank', '?')}'s watchdog at {_when(first.get('wall'))} "
              f"({first.get('reason', '?')})"]
-    waits: dict[int, set[int]] = {}
+    groups = Groups(by_rank)
+    absent_of: dict[tuple[Any, str, int], frozenset[int]] = {}  # (group, collective, seq) -> who never got there
+    waits: dict[int, frozenset[int]] = {}
     waiting_on: dict[int, tuple[str, str, int]] = {}  # rank -> (op, axis, seq)
     for r in by_rank.values():
         f = r.in_flight
         if r.dump is None or f is None:
             continue
         axis = axis_of(f["group"])
-        group = members(r.rank, axis, by_rank, world) or []
-        absent = {m for m in group if m != r.rank and not (
-            by_rank.get(m) and by_rank[m].has_fr and by_rank[m].last_seq.get(f["key"], 0) >= f["seq"])}
-        waits[r.rank] = absent
+        key = groups.key(r.rank, axis, by_rank)
+        memo = (key, f["key"], f["seq"])
+        if memo not in absent_of:  # one pass per distinct collective, not per waiting rank: the world's is long
+            absent_of[memo] = frozenset(m for m in groups.members(key) if not (
+                by_rank[m].has_fr and by_rank[m].last_seq.get(f["key"], 0) >= f["seq"]))
+        waits[r.rank] = absent_of[memo]  # never r itself: its own flight recorder reached its collective
         waiting_on[r.rank] = (f["op"] + (" (p2p)" if f["p2p"] else ""), axis, f["seq"])
     # follow the waits: the culprits are the ranks waited for that wait for nobody themselves
     culprits, seen = set(), set()
@@ -301,20 +407,24 @@ def _hang(run_dir: Path, by_rank: dict[int, Rank], world: int, request: str) -> 
         else:
             where = " < ".join(r.main_stack[:3]) or "?"
             lines.append(f"{who([c], by_rank)} was busy in {_position(r)}, in no collective (main thread: {where})")
-    groups: dict[tuple[str, str], list[int]] = {}
+    grouped: dict[tuple[str, str], list[int]] = {}
     for rank, (op, axis, _) in waiting_on.items():
-        groups.setdefault((op, axis), []).append(rank)
-    for (op, axis), ranks in sorted(groups.items(), key=lambda kv: min(kv[1])):
+        grouped.setdefault((op, axis), []).append(rank)
+    for (op, axis), ranks in sorted(grouped.items(), key=lambda kv: min(kv[1])):
         target = sorted(set().union(*(waits[r] for r in ranks)))
         doing = sorted({_doing(by_rank[r].beat) for r in ranks if by_rank[r].beat})
         what = f"in {op} on the {axis} group" if axis != "world" else f"in {op} on the world"
         ctx = f" ({'; '.join(doing)})" if doing else ""
         lines.append(f"{who(ranks, by_rank)} waited {what}{ctx}" +
                      (f" for {who(target, by_rank)}" if target else ""))
-    files = [str(p.relative_to(run_dir)) for p in sorted((run_dir / "hang").iterdir()) if p.is_file()]
-    beats = "hang/heartbeat" if (run_dir / "hang" / "heartbeat").is_dir() else "heartbeat"
-    files += [f"{beats}/rank{c:05d}.hb" for c in sorted(culprits)]
-    files += [f"logs/rank{c:05d}.log" for c in sorted(culprits) if (run_dir / "logs" / f"rank{c:05d}.log").exists()]
+    try:
+        files = [f"hang/{e.name}" for e in sorted(os.scandir(dirs["hang"]), key=lambda e: e.name)
+                 if e.is_file(follow_symlinks=False)]
+    except OSError as e:  # unreadable or changing under us: the files are a pointer, the diagnosis stands
+        files = [f"hang/ ({e.strerror})"]
+    files += [f"{dirs['beats_rel']}/rank{c:05d}.hb" for c in sorted(culprits)]
+    files += [f"logs/rank{c:05d}.log" for c in sorted(culprits) if dirs["logs"] is not None
+              and os.path.lexists(dirs["logs"] / f"rank{c:05d}.log")]
     return {"kind": "hang", "lines": lines, "culprits": _culprit_rows(culprits, by_rank), "files": files,
             "waiting": {str(r): {"op": op, "group": axis, "seq": seq, "for": sorted(waits[r])}
                         for r, (op, axis, seq) in waiting_on.items()}}
@@ -330,7 +440,7 @@ def _culprit_rows(culprits: set[int], by_rank: dict[int, Rank]) -> list[dict[str
     return rows
 
 
-def _ended(run_dir: Path, by_rank: dict[int, Rank]) -> dict[str, Any]:
+def _ended(dirs: dict[str, Any], by_rank: dict[int, Rank]) -> dict[str, Any]:
     """No hang: a run that failed, finished, or is still going."""
     phase = {r: info.beat.get("phase") for r, info in by_rank.items()}
     if phase and all(p == "done" for p in phase.values()):
@@ -359,9 +469,10 @@ def _ended(run_dir: Path, by_rank: dict[int, Rank]) -> dict[str, Any]:
     if others:
         kinds = sorted({error[r][:80] for r in others})
         lines.append(f"then {who(others, by_rank)} failed: {'; '.join(kinds)}")
-    files = [f"logs/rank{c:05d}.log" for c in sorted(culprits) if (run_dir / "logs" / f"rank{c:05d}.log").exists()]
+    files = [f"logs/rank{c:05d}.log" for c in sorted(culprits) if dirs["logs"] is not None
+             and os.path.lexists(dirs["logs"] / f"rank{c:05d}.log")]
     return {"kind": "failed", "lines": ["failed:"] + lines, "culprits": _culprit_rows(culprits, by_rank),
-            "files": files + [f"heartbeat/rank{c:05d}.hb" for c in sorted(culprits)]}
+            "files": files + [f"{dirs['beats_rel']}/rank{c:05d}.hb" for c in sorted(culprits)]}
 
 
 def format_report(report: dict[str, Any], run_dir: str | Path) -> str:

@@ -5,6 +5,8 @@ preflight does) and resumes from its last committed checkpoint, at most job.hang
 that was alive and busy (it dumped its stack: a bug, a deadlock in code) is not a node's fault: the job just ends.
 
     why = after_hang(run_dir, limit=1, num_nodes=2)   # one line; RUN_DIR/hang.jsonl records every hang's outcome
+
+hang.jsonl is read as untrusted (bounded, typed): a history that cannot be read allows no more requeues.
 """
 from __future__ import annotations
 
@@ -14,8 +16,27 @@ import time
 from pathlib import Path
 
 from hpctrain import diagnose, doctor_report, preempt
+from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 HISTORY = "hang.jsonl"
+MAX_HISTORY_BYTES = 1 << 20  # a row per hang, a few hundred bytes each
+
+
+def requeues_in(path: Path) -> int:
+    """How many rows of a requeue history (one JSON object per line with "requeued": true or false, as hang.jsonl
+    and preflight.jsonl hold) say the job was requeued; 0 when there is none. Raises Untrusted, naming the file and
+    line, for a history that is not one (a link, too large, a row of another shape)."""
+    if not os.path.lexists(path):
+        return 0
+    count = 0
+    for i, line in enumerate(read_bytes(path, MAX_HISTORY_BYTES).splitlines(), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, f"{path.name} line {i}")
+        if not isinstance(row, dict) or not isinstance(row.get("requeued"), bool):
+            raise Untrusted(f"{path.name} line {i}: not a row with \"requeued\": true or false")
+        count += row["requeued"]
+    return count
 
 
 def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
@@ -23,11 +44,11 @@ def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
     one line and appends it to RUN_DIR/hang.jsonl. Never raises (the caller ends the job next)."""
     run_dir = Path(run_dir)
     history = run_dir / HISTORY
+    unreadable = None
     try:
-        before = sum(bool(json.loads(line).get("requeued")) for line in history.read_text().splitlines()
-                     if line.strip()) if history.is_file() else 0
-    except (OSError, ValueError, AttributeError):
-        before = limit  # a history we cannot read: no more requeues
+        before = requeues_in(history)
+    except Untrusted as e:
+        before, unreadable = limit, str(e)  # a history we cannot read: no more requeues
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
               "requeued": False, "culprits": [], "nodes": []}
     try:
@@ -39,6 +60,8 @@ def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
         job = preempt.slurm_job_id()
         if not job:
             why = "not a Slurm job: not requeued (resubmit to resume from the last checkpoint)"
+        elif unreadable:
+            why = f"not requeued: {unreadable} (a history that cannot be read allows no more requeues)"
         elif before >= limit:
             why = f"not requeued: job.hang_requeues = {limit}, and this run was requeued after {before} hang(s)"
         elif not silent:
@@ -58,8 +81,9 @@ def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
     except Exception as e:  # noqa: BLE001 - the job must end whatever this meets
         why = f"not requeued: {type(e).__name__}: {e}"
     record["why"] = why
-    try:
-        with history.open("a") as f:
+    try:  # appended, never through a link
+        fd = os.open(history, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record) + "\n")
     except OSError:
         pass

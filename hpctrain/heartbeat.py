@@ -12,30 +12,44 @@ shared file mapping (no system call, no lock). The kernel owns the mapped page, 
 process: a rank stopped (SIGSTOP) or killed in the middle of a step still says where it was. msync (flush(), from
 the watchdog's thread every few seconds) pushes it to a shared file system for readers on other nodes.
 
-The file is 1024 bytes: a 256-byte live line, then this rank's fixed facts as JSON (rank, pid, host, node, mesh
-coordinates, start time). Nothing read back is trusted: read() checks the line's crc32 and its fields.
+The file is 1024 bytes: a 256-byte live line, this rank's fixed facts as JSON (rank, pid, host, node, mesh
+coordinates, start time), then a 32-byte line the watchdog's thread rewrites at every look (tick()): a rank whose
+watchdog falls silent is stopped, dead or stuck where Python cannot run, however long its phase may last. Nothing
+read back is trusted: read() reads at most the file's size, never through a link, and checks both lines' crc32
+and every fact's type.
 
 Phases: startup, data, forward, backward, optimizer, collective (waiting on a group: an explicit collective, or
 the gradient reduction DDP/FSDP finish after the backward's compute), eval, checkpoint, done. Time in collective
-counts as wait, everything else as compute. Imports nothing of hpctrain and no torch.
+counts as wait, everything else as compute. Imports hpctrain.untrusted and the config's rank limit, no torch.
 """
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
+import stat
 import time
 import zlib
 from pathlib import Path
 from typing import Any
+
+from hpctrain.sections import MAX_WORLD_SIZE
+from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "eval", "checkpoint", "done",
           "failed")
 WAIT_PHASES = frozenset({"collective"})
 LIVE_BYTES = 256
 FILE_BYTES = 1024
+TICK_AT = FILE_BYTES - 32  # the watchdog's line: the last 32 bytes; the facts lie between it and the live line
 LINE = re.compile(r"HB (\d+) (-?\d+) ([a-z]+) (\d+\.\d+) ([0-9a-f]{8})(?: (.*))?")
+TICK = re.compile(r"WD (\d{1,12}\.\d{3}) ([0-9a-f]{8})")
+# the type of each fact a reader uses (the writers: session.start, set_facts); any other is kept as it is
+FACT_TYPES: dict[str, tuple[type, ...]] = {"rank": (int,), "pid": (int,), "host": (str,), "node": (str,),
+                                           "local_rank": (int,), "job_id": (str,), "launcher": (str,),
+                                           "started": (int, float), "coords": (dict,), "failure": (str,)}
 
 
 def heartbeat_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -63,7 +77,9 @@ class Heartbeat:
         self.path = None if run_dir is None else heartbeat_path(run_dir, rank)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            if stat.S_ISLNK(os.lstat(self.path.parent).st_mode):  # never write through a planted link
+                raise OSError(f"{self.path.parent} is a symbolic link: no heartbeat is written through it")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             try:
                 os.ftruncate(fd, FILE_BYTES)
                 self._mm = mmap.mmap(fd, FILE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -78,13 +94,13 @@ class Heartbeat:
         if self._mm is None:
             return
         static = json.dumps(self.facts, sort_keys=True, ensure_ascii=True).encode()
-        room = FILE_BYTES - LIVE_BYTES - 1
+        room = TICK_AT - LIVE_BYTES - 1
         if len(static) > room:  # a long error message: shorten the strings
             short = {k: v[:60] if isinstance(v, str) else v for k, v in self.facts.items()}
             static = json.dumps(short, sort_keys=True, ensure_ascii=True).encode()
         if len(static) > room:
             raise ValueError(f"heartbeat facts of rank {self.rank} take {len(static)} bytes, more than {room}")
-        self._mm[LIVE_BYTES:] = static.ljust(room) + b"\n"
+        self._mm[LIVE_BYTES:TICK_AT] = static.ljust(room) + b"\n"
 
     def enter(self, phase: str, detail: str = "") -> None:
         """The rank begins `phase` now (one of PHASES; detail says more, e.g. which collective on which group)."""
@@ -120,6 +136,18 @@ class Heartbeat:
         line = b"HB %s %08x %s" % (body, zlib.crc32(body + b" " + detail), detail)
         self._mm[:LIVE_BYTES] = line.ljust(LIVE_BYTES - 1) + b"\n"
 
+    def tick(self) -> None:
+        """The watchdog's thread ran just now (its own line, apart from the main thread's live line): peers tell a
+        rank that is busy for long (compiling) from one that is stopped or dead by it."""
+        mm = self._mm
+        if mm is None:
+            return
+        body = b"%.3f" % time.time()
+        try:
+            mm[TICK_AT:] = (b"WD %s %08x" % (body, zlib.crc32(body))).ljust(FILE_BYTES - TICK_AT - 1) + b"\n"
+        except ValueError:  # closed by the main thread meanwhile: the rank is ending
+            pass
+
     def flush(self) -> None:
         """Pushes the mapped page to the file system (other nodes see it); the watchdog calls it periodically."""
         if self._mm is not None:
@@ -133,23 +161,45 @@ class Heartbeat:
             self._mm = None
 
 
+def _fact_error(facts: dict[str, Any]) -> str | None:
+    """Why these facts are not a heartbeat's, or None."""
+    for key, types in FACT_TYPES.items():
+        v = facts.get(key)
+        if key in facts and (not isinstance(v, types) or isinstance(v, bool)) and not (key == "node" and v is None):
+            return f"its fact {key} is a {type(v).__name__}"
+    rank = facts.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < MAX_WORLD_SIZE:
+        return f"its facts name no rank in [0, {MAX_WORLD_SIZE}) (rank {str(rank)[:24]})"
+    coords = facts.get("coords", {})
+    if not all(isinstance(k, str) and type(v) is int for k, v in coords.items()):
+        return "its fact coords is not a map of axis names to integers"
+    if isinstance(facts.get("started"), float) and not math.isfinite(facts["started"]):
+        return "its fact started is not finite"
+    return None
+
+
 def read(path: str | os.PathLike) -> dict[str, Any]:
-    """One heartbeat file: {"rank", "pid", "host", ..., "step", "phase", "detail", "wall", "changes"}, or
-    {"error": why} for a file that is not one (too big, torn, foreign). Never trusts the file."""
+    """One heartbeat file: {"rank", "pid", "host", ..., "step", "phase", "detail", "wall", "changes"} and "alive"
+    (the wall time of its watchdog's last look, when it has one), or {"error": why} (with the facts when they
+    were readable) for a file that is not one: too big, a link, torn, foreign, facts of the wrong types. Never
+    trusts the file and never raises."""
     p = Path(path)
     try:
-        if p.is_symlink() or p.stat().st_size != FILE_BYTES:
+        raw = read_bytes(p, FILE_BYTES)
+        if len(raw) != FILE_BYTES:
             return {"error": f"{p.name}: not a {FILE_BYTES}-byte heartbeat file"}
-        raw = p.read_bytes()
-    except OSError as e:
-        return {"error": f"{p.name}: {e.strerror or e}"}
-    try:
-        facts = json.loads(raw[LIVE_BYTES:].decode("ascii"))
+        facts = parse_json(raw[LIVE_BYTES:TICK_AT].decode("ascii"), "its facts")
         live = raw[:LIVE_BYTES].decode("ascii").rstrip()
-    except (UnicodeDecodeError, ValueError):
+        tick = raw[TICK_AT:].decode("ascii").rstrip()
+    except Untrusted as e:
+        return {"error": f"{p.name}: {e}"}
+    except UnicodeDecodeError:
         return {"error": f"{p.name}: unreadable"}
-    if not isinstance(facts, dict) or not isinstance(facts.get("rank"), int):
+    if not isinstance(facts, dict):
         return {"error": f"{p.name}: its facts hold no rank"}
+    why = _fact_error(facts)
+    if why is not None:
+        return {"error": f"{p.name}: {why}"}
     m = LINE.fullmatch(live)
     if m is None:
         return {**facts, "error": f"{p.name}: no live line"}
@@ -157,6 +207,9 @@ def read(path: str | os.PathLike) -> dict[str, Any]:
     body = f"{changes} {step} {phase} {wall}".encode()
     if zlib.crc32(body + b" " + detail.encode()) != int(crc, 16) or phase not in PHASES:
         return {**facts, "error": f"{p.name}: torn or damaged live line"}
-    return {**facts, "step": int(step), "phase": phase, "detail": detail, "wall": float(wall),
-            "changes": int(changes)}
-
+    out = {**facts, "step": int(step), "phase": phase, "detail": detail, "wall": float(wall),
+           "changes": int(changes)}
+    t = TICK.fullmatch(tick)
+    if t is not None and zlib.crc32(t.group(1).encode()) == int(t.group(2), 16):
+        out["alive"] = float(t.group(1))
+    return out

@@ -1,28 +1,71 @@
 """`hpctrain plot RUN_DIR`: loss (and validation loss), learning rate and throughput curves from a run's
-metrics.jsonl, to PNG; with the straggler report's rows, each rank's compute time per step (the slow ones marked)."""
+metrics.jsonl, to PNG; with the straggler report's rows, each rank's compute time per step (the slow ones marked).
+
+metrics.jsonl is not trusted: its last MAX_METRICS_BYTES are read (not through a link), and rows that are torn, not
+JSON, or of the wrong shapes are left out.
+"""
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
+from typing import Any
+
+from hpctrain.untrusted import Untrusted, parse_json, read_bytes
+
+MAX_METRICS_BYTES = 64 << 20  # the end of a long run's metrics.jsonl: about 100000 rows
+TRAIN_FIELDS = ("loss", "lr", "tokens_per_s", "mfu")
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _row_ok(row: Any) -> bool:
+    """A row as metrics.py writes it: an int step; a training step's numbers (NaN is a loss too), an evaluation's
+    val_loss; the straggler report's per-rank seconds and slow ranks among them."""
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return False
+    if "loss" in row and not all(_number(row.get(k)) for k in TRAIN_FIELDS):
+        return False
+    if "val_loss" in row and not _number(row["val_loss"]):
+        return False
+    compute = row.get("rank_compute_s")
+    if compute is not None and not (isinstance(compute, list) and compute and all(map(_number, compute))):
+        return False
+    slow = row.get("stragglers", [])
+    return isinstance(slow, list) and all(isinstance(s, dict) and type(s.get("rank")) is int and compute is not None
+                                          and 0 <= s["rank"] < len(compute) for s in slow)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ValueError(f"{run_dir} has no metrics.jsonl (is it a training run directory?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    raw = read_bytes(path, MAX_METRICS_BYTES, tail=True)  # Untrusted, a ValueError, names a link or a FIFO
+    lines = raw.split(b"\n")
+    if os.lstat(path).st_size > MAX_METRICS_BYTES:
+        lines = lines[1:]  # a cut file's first line is a piece of one
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = parse_json(line, f"{path} line {i + 1}") if line.strip() else None
+        except Untrusted:
+            continue
+        if _row_ok(row):
+            rows.append(row)
     if not rows:
-        raise ValueError(f"{path} is empty: the run logged no step yet")
+        raise ValueError(f"{path} holds no step yet (or none that is readable)")
     return rows
 
 
 def per_rank_step_times(rows: list[dict]) -> tuple[list[int], list[list[float]], list[tuple[int, int]]]:
     """From the logged rows with the straggler report: (steps, per rank its compute seconds per step over the
-    interval ending at each of those steps, (step, rank) of every rank reported slow)."""
+    interval ending at each of those steps, (step, rank) of every rank reported slow). Rows of another world size
+    than the first (a damaged row) are left out."""
     steps, series, slow = [], [], []
     previous = 0
     for r in rows:
-        if "rank_compute_s" not in r:
+        if "rank_compute_s" not in r or (series and len(r["rank_compute_s"]) != len(series)):
             continue
         n = max(1, r["step"] - previous)
         previous = r["step"]

@@ -17,12 +17,15 @@ and the report names them all. On GPUs the clock is CUDA events (CudaClock), sin
 """
 from __future__ import annotations
 
-import json
+import math
+import os
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from hpctrain.heartbeat import Heartbeat
+from hpctrain.sections import MAX_WORLD_SIZE
+from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -129,31 +132,33 @@ class Tally:
                 "hosts": [{"host": h, "intervals": n} for h, n in sorted(hosts.items(), key=lambda kv: -kv[1])]}
 
 
+def _slow_entry(e: Any) -> bool:
+    """A straggler report's entry as find_stragglers makes it: a rank in range, its host, a finite excess."""
+    return (isinstance(e, dict) and type(e.get("rank")) is int and 0 <= e["rank"] < MAX_WORLD_SIZE
+            and isinstance(e.get("host"), str) and type(e.get("excess")) in (int, float)
+            and math.isfinite(e["excess"]))
+
+
 def from_metrics(run_dir: str | Path) -> dict[str, Any] | None:
     """The straggler report's history from a run's metrics.jsonl (rank 0's log-step rows): Tally.summary() plus
     "last_step" and "truncated"; None when the run logged no report. For `hpctrain diagnose`, so nothing is trusted:
     a regular file, not a link, only its last MAX_METRICS_BYTES, rows and entries of the wrong shape skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
-        if path.is_symlink() or not path.is_file():
-            return None
-        with path.open("rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - MAX_METRICS_BYTES))
-            lines = f.read().split(b"\n")
-    except OSError:
+        raw = read_bytes(path, MAX_METRICS_BYTES, tail=True)
+        truncated = os.lstat(path).st_size > MAX_METRICS_BYTES
+    except (Untrusted, OSError):  # missing, a link, a FIFO: no history
         return None
-    truncated = size > MAX_METRICS_BYTES
+    lines = raw.split(b"\n")
     tally, last = Tally(), None
-    for line in lines[1:] if truncated else lines:  # a cut file's first line is a piece of one
+    for i, line in enumerate(lines[1:] if truncated else lines):  # a cut file's first line is a piece of one
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = parse_json(line, f"metrics.jsonl line {i + 1}")
+        except Untrusted:
             continue
         if not isinstance(row, dict) or not isinstance(row.get("stragglers"), list):
             continue
-        tally.add({"slow": [e for e in row["stragglers"] if isinstance(e, dict) and type(e.get("rank")) is int
-                            and isinstance(e.get("host"), str) and type(e.get("excess")) in (int, float)]})
+        tally.add({"slow": [e for e in row["stragglers"] if _slow_entry(e)]})
         last = row.get("step") if type(row.get("step")) is int else last
     if not tally.intervals:
         return None

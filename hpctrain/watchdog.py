@@ -9,6 +9,13 @@ Limits: step phases (data, forward, backward, optimizer, collective) get paralle
 checkpoints, evaluation and the first step get parallel.startup_timeout_s. Both are shorter than the collective
 timeout (parallel.timeout_s), so the watchdog speaks first, while every rank is still alive to be asked.
 
+The first step's long limit is for work (compiling, NCCL's set-up), not for silence: every look of the thread is
+also a tick in the rank's heartbeat, and a rank idle past the step limit in its first step reads the ticks of the
+next PEERS_WATCHED ranks. A peer whose watchdog has been silent for the step limit is stopped, dead or stuck where
+Python cannot run, and nothing it could be compiling: the hang is called then, not after the long limit. (Every
+start's first step, so the first step after a hang requeue too; a stretch of stopped ranks always follows a live
+rank, which watches the first of them.)
+
 What a hang leaves, per live rank:
     hang/rank00003.txt      every thread's Python stack (faulthandler: works while the main thread holds the GIL)
                             under a header: rank, host, step, phase, why
@@ -28,10 +35,11 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
-import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -39,14 +47,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpctrain import ending
+from hpctrain import ending, heartbeat
 from hpctrain.heartbeat import Heartbeat
+from hpctrain.sections import MAX_WORLD_SIZE
+from hpctrain.untrusted import Untrusted, read_bytes, read_json
 
 log = logging.getLogger(__name__)
 
 LONG_PHASES = frozenset({"startup", "checkpoint", "eval"})
 REQUEST = "request"
+REQUEST_BYTES = 64 << 10  # ours is one short line
 STALE_REQUEST_S = 2.0  # a request older than this rank's start by more than this (clock skew) is the last job's
+# peers whose ticks a rank idle in its first step reads: the next ranks around the ring. One would find any stopped
+# stretch (a live rank precedes it); more, so that a neighbour's damaged file does not blind the look, and few, so
+# that a big job's ranks do not read the world's files every few seconds from a shared file system
+PEERS_WATCHED = 8
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,12 @@ class Limits:
         """How often the thread looks: a tenth of the step limit, between 0.2 and 5 s (on a shared file system
         each look is one stat of hang/request per rank)."""
         return min(5.0, max(0.2, self.step_s / 10))
+
+    @property
+    def flush_s(self) -> float:
+        """How often the heartbeat's page goes to the file system for readers on other nodes: 5 s, or half the step
+        limit when that is shorter (a live peer's tick, as another node sees it, is never a step limit old)."""
+        return min(5.0, self.step_s / 2)
 
     @property
     def grace_s(self) -> float:
@@ -83,10 +104,10 @@ class Peer:
 def process_start(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, None when it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    return int(line.rsplit(")", 1)[1].split()[19])
 
 
 def hang_path(run_dir: Path, rank: int, suffix: str = ".txt") -> Path:
@@ -102,6 +123,7 @@ class Watchdog:
         # hangrequeue.after_hang); returns one line to log
         self.on_end: Callable[[], str] | None = None
         self.long_until_step = 1  # steps up to this one (and start-up before them) have the long limit
+        self._watched: tuple[list[Peer] | None, list[Peer]] = (None, [])  # (of which peers list, the ones watched)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
@@ -118,6 +140,10 @@ class Watchdog:
             return self.limits.long_s, "parallel.startup_timeout_s"
         return self.limits.step_s, "parallel.hang_timeout_s"
 
+    def in_first_step(self) -> bool:
+        """A step phase that has the long limit only because the step is the first since the start."""
+        return self.hb.phase not in LONG_PHASES and self.hb.step <= self.long_until_step
+
     def _watch(self) -> None:
         request = self.run_dir / "hang" / REQUEST
         flushed = last = time.monotonic()
@@ -127,8 +153,12 @@ class Watchdog:
             # something held the GIL; a hang seen right after is not this rank's answer in time
             frozen = now - last - self.limits.poll_s if now - last > 3 * self.limits.poll_s + 1 else 0.0
             last = now
-            if now - flushed >= 5.0:
-                self.hb.flush()
+            self.hb.tick()
+            if now - flushed >= self.limits.flush_s:
+                try:
+                    self.hb.flush()
+                except OSError as e:  # a file system gone for a moment: the next flush tries again
+                    log.warning("heartbeat not flushed: %s", e)
                 flushed = now
             limit, setting = self.limit()
             idle = now - self.hb.since
@@ -137,6 +167,36 @@ class Watchdog:
                            frozen)
             elif request.exists() and self._asked(request):
                 self._hang(f"asked by another rank's watchdog ({request})", False, frozen)
+            elif idle > self.limits.step_s and self.in_first_step():
+                silent = self.silent_peers()  # at most PEERS_WATCHED small reads a poll, in this window only
+                if silent:
+                    who = ", ".join(f"rank {r} ({age:.0f} s)" for r, age in silent)
+                    self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} of the first step while the "
+                               f"watchdog of {who} was silent: stopped, dead or stuck (limit "
+                               f"{self.limits.step_s:g} s: parallel.hang_timeout_s; the first step's long limit "
+                               f"holds while every rank is alive)", True, frozen)
+
+    def silent_peers(self) -> list[tuple[int, float]]:
+        """(rank, seconds) of the next PEERS_WATCHED ranks whose watchdog has not ticked for longer than the step
+        limit. A heartbeat that is unreadable, another process's, or of a rank that ended is no evidence: skipped;
+        so is a peer in a long phase (loading a checkpoint, h5py may hold the GIL for long: its own limit holds)."""
+        if self._watched[0] is not self.peers:  # the session sets the peers once, after the rendezvous
+            peers = sorted(self.peers, key=lambda p: p.rank)
+            ranks = [p.rank for p in peers]
+            me = ranks.index(self.hb.rank) if self.hb.rank in ranks else 0
+            self._watched = (self.peers, [peers[(me + k) % len(peers)] for k in
+                                          range(1, min(len(peers), PEERS_WATCHED + 1))] if self.hb.rank in ranks
+                             else [])
+        now, silent = time.time(), []
+        for peer in self._watched[1]:
+            beat = heartbeat.read(heartbeat.heartbeat_path(self.run_dir, peer.rank))
+            alive = beat.get("alive")
+            if "error" in beat or beat.get("pid") != peer.pid or alive is None \
+                    or beat.get("phase") in LONG_PHASES | {"done", "failed"}:
+                continue
+            if now - alive > self.limits.step_s:
+                silent.append((peer.rank, now - alive))
+        return silent
 
     def _hang(self, reason: str, first: bool, frozen_s: float = 0.0) -> None:
         """Dumps what this rank knows, then ends the job, whatever fails on the way (a full file system, a log
@@ -151,7 +211,7 @@ class Watchdog:
         try:
             log.error("hang: %s at %s; stacks and the flight recorder go to %s, then the job ends", reason, where,
                       self.run_dir / "hang")
-            (self.run_dir / "hang").mkdir(exist_ok=True)
+            hang_dir(self.run_dir)
             initiator = first and write_request(self.run_dir, hb.rank, reason, self.limits.grace_s)
             dump_stacks(hang_path(self.run_dir, hb.rank), hb, reason, time.monotonic() - hb.since, frozen_s)
             dump_flight_recorder(hang_path(self.run_dir, hb.rank, ".fr.json"))
@@ -177,10 +237,46 @@ class Watchdog:
     def _asked(self, request: Path) -> bool:
         """Another rank's request of this incarnation of the job (a requeued job finds the last one's)."""
         try:
-            wall = json.loads(request.read_text()).get("wall")
-        except (OSError, ValueError, AttributeError):
-            return True  # unreadable: better one dump too many
-        return not isinstance(wall, (int, float)) or wall >= self.hb.facts.get("started", 0) - STALE_REQUEST_S
+            wall = read_request(request).get("wall")
+        except Untrusted:
+            return True  # unreadable (damaged, a link, a FIFO): better one dump too many
+        return wall is None or wall >= self.hb.facts.get("started", 0) - STALE_REQUEST_S
+
+
+def hang_dir(run_dir: Path) -> Path:
+    """RUN_DIR/hang, made if missing; OSError when it is anything but a directory of its own (a planted link would
+    take the dumps out of the run directory)."""
+    path = Path(run_dir) / "hang"
+    path.mkdir(exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(f"{path} is not a directory (a symbolic link?): nothing is written through it")
+    return path
+
+
+def _create(path: Path, mode: str = "w"):
+    """A file opened for writing, made or truncated, never through a symbolic link (OSError then)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644),
+                     mode)
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if type(v) in (int, float) and math.isfinite(v) else None
+
+
+def read_request(path: Path) -> dict[str, Any]:
+    """hang/request, as write_request made it: {"rank", "reason", "wall", "grace_s"} with only the fields of the
+    right type; "damaged" lists the others. Raises Untrusted for a file that is not one (a link, a FIFO, too large,
+    not a JSON object)."""
+    data = read_json(path, REQUEST_BYTES)
+    if not isinstance(data, dict):
+        raise Untrusted(f"{str(path)!r}: not a JSON object")
+    rank, reason = data.get("rank"), data.get("reason")
+    grace = _number(data.get("grace_s"))
+    fields = {"rank": rank if type(rank) is int and 0 <= rank < MAX_WORLD_SIZE else None,
+              "reason": reason if isinstance(reason, str) else None, "wall": _number(data.get("wall")),
+              "grace_s": grace if grace is not None and grace >= 0 else None}
+    damaged = sorted(k for k, v in fields.items() if v is None and k in data)
+    return {k: v for k, v in fields.items() if v is not None} | ({"damaged": damaged} if damaged else {})
 
 
 def write_request(run_dir: Path, rank: int, reason: str, grace_s: float = 0.0) -> bool:
@@ -202,9 +298,15 @@ def snapshot_heartbeats(run_dir: Path) -> None:
     target = Path(run_dir) / "hang" / "heartbeat"
     try:
         target.mkdir(exist_ok=True)
+        if not stat.S_ISDIR(os.lstat(target).st_mode):
+            raise OSError(f"{target} is not a directory (a symbolic link?)")
         for path in (Path(run_dir) / "heartbeat").glob("rank*.hb"):
-            if path.is_file() and not path.is_symlink():
-                shutil.copyfile(path, target / path.name)
+            try:
+                raw = read_bytes(path, heartbeat.FILE_BYTES)
+            except Untrusted:
+                continue  # not a heartbeat (a link, a FIFO, too large): diagnose names it in heartbeat/
+            with _create(target / path.name, "wb") as f:
+                f.write(raw)
     except OSError as e:
         print(f"hpctrain: heartbeats not kept with the hang: {e}", file=sys.stderr, flush=True)
 
@@ -218,8 +320,10 @@ def keep_earlier_hang(run_dir: Path) -> Path | None:
     hang = run_dir / "hang"
     if not hang.is_dir() or hang.is_symlink():
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((hang / REQUEST).stat().st_mtime
-                                                            if (hang / REQUEST).is_file() else time.time()))
+    try:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.lstat(hang / REQUEST).st_mtime))
+    except (OSError, OverflowError, ValueError):  # no request, or a time stamp no calendar holds
+        stamp = time.strftime("%Y%m%d-%H%M%S")
     target = run_dir / f"hang-{stamp}"
     n = 1
     while target.exists():
@@ -236,7 +340,7 @@ def keep_earlier_hang(run_dir: Path) -> Path | None:
 def dump_stacks(path: Path, hb: Heartbeat, reason: str, idle_s: float, frozen_s: float = 0.0) -> None:
     """Every thread's stack into `path`, under a header a reader (hpctrain diagnose) can parse."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    with path.open("w") as f:
+    with _create(path) as f:
         header = {"rank": hb.rank, "host": socket.gethostname(), "node": hb.facts.get("node"), "pid": os.getpid(),
                   "step": hb.step, "phase": hb.phase, "detail": hb.detail, "idle_s": round(idle_s, 1),
                   "frozen_s": round(frozen_s, 1), "reason": reason, "wall": round(time.time(), 3),
@@ -264,7 +368,8 @@ def dump_flight_recorder(path: Path) -> bool:
             out[key] = {"error": f"{type(e).__name__}: {e}"}
     if not out:
         return False
-    path.write_text(json.dumps(out) + "\n")
+    with _create(path) as f:
+        f.write(json.dumps(out) + "\n")
     return True
 
 

@@ -46,13 +46,14 @@ def test_hung_rank_mpiexec(mpiexec, tmp_path, action) -> None:
 
 @pytest.mark.slurm
 def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> None:
-    """2 nodes x 2 tasks on the 3-node cluster: rank 2 (the first rank of n2) stops in its first step's forward
-    (the long limit, 20 s here). The job is requeued without n2 (job.hang_requeues = 1) and runs again on n1 and
-    n3, where rank 2 stops again: that hang ends the job (the limit), and submit --wait exits 1. Both hangs are
-    named, each with its node. (Slurm wakes the stopped rank with SIGCONT at the requeue: its late dump must not
-    count.)"""
+    """2 nodes x 2 tasks on the 3-node cluster: rank 2 (the first rank of n2) stops in its first step's forward.
+    That step has the long limit (300 s here), but a stopped rank's watchdog falls silent: its neighbour calls the
+    hang at the step limit (issue 25: the second stop took the whole long limit). The job is requeued without n2
+    (job.hang_requeues = 1) and runs again on n1 and n3, where rank 2 stops again in its first step: that hang ends
+    the job (the limit), well within the long limit, and submit --wait exits 1. Both hangs are named, each with its
+    node. (Slurm wakes the stopped rank with SIGCONT at the requeue: its late dump must not count.)"""
     root = tmp_path / "runs"
-    long_s = 20
+    long_s = 300
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *sets(f"job.run_root={root}", "job.wait_timeout_s=30", *HANG_SETS,
                            f"parallel.startup_timeout_s={long_s}")],
@@ -61,7 +62,7 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
     job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
     gone, _ = hang_run(launch, b"SLURM_PROCID", root, 4, culprit=2, stopped=True, cancel=["scancel", job_id],
                        finish_s=240)
-    assert gone is not None and gone < long_s + GONE_MARGIN_S, (gone, launch.output[-3000:])
+    assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
     assert launch.proc.returncode == 1 and "hang on rank" in launch.output, launch.output[-3000:]
     run = only_run_dir(root)
     history = [json.loads(line) for line in (run / "hang.jsonl").read_text().splitlines()]
@@ -75,8 +76,9 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
     report = check_hang(root, 4, culprit=2, node="n3")  # the second hang: n2 was excluded
     assert any("waited in" in line and "n1" in line for line in report["lines"]), report["lines"]
     record("rank 2 stopped (SIGSTOP) inside its first step's forward, twice (Slurm, 2 nodes x 2 tasks, 3 nodes)",
-           f"the watchdog ({long_s} s: the first step's limit) dumps ranks 0, 1, 3; the job is requeued without n2 "
-           "and runs again on n1, n3; the second hang ends it (job.hang_requeues = 1); submit --wait exits 1; "
+           f"a neighbour's watchdog sees rank 2's silent at the step limit ({HANG_S} s; the first step's long limit "
+           f"is {long_s} s) and ranks 0, 1, 3 dump; the job is requeued without n2 and runs again on n1, n3; the "
+           "second hang ends it (job.hang_requeues = 1) within the launcher's 240 s; submit --wait exits 1; "
            "diagnose names rank 2 on n2, then on n3", gone, "slurm")
 
 

@@ -3,27 +3,31 @@
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hang_local.py
 
-A rank stopped inside a step's forward (SIGSTOP, as a hung node): every rank is gone within the hang limit plus
-a margin (the live ranks end themselves; the first to trip kills the stopped one, which no launcher would), every
-live rank left its stacks and flight recorder, `submit --wait` exits 1 naming the hang, and `hpctrain diagnose`
-names the stopped rank. A rank that sleeps in every step is named as the straggler, with its host.
+A rank stopped inside a step's forward (SIGSTOP, as a hung node), the third step's or the first's (which has the
+long limit, 120 s here, for compiling: a stopped rank's silent watchdog ends that allowance): every rank is gone
+within the hang limit plus a margin (the live ranks end themselves; the first to trip kills the stopped one, which
+no launcher would), every live rank left its stacks and flight recorder, `submit --wait` exits 1 naming the hang,
+and `hpctrain diagnose` names the stopped rank. A rank that sleeps in every step is named as the straggler, with
+its host.
 """
 from __future__ import annotations
 
 import json
 import subprocess
 
+import pytest
 from faults import record
 from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, sets
 
 from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, tool
 
 
-def test_stopped_rank_local_processes(tmp_path) -> None:
+@pytest.mark.parametrize("step", [3, 1])
+def test_stopped_rank_local_processes(tmp_path, step) -> None:
     root = tmp_path / "runs"
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *sets(f"job.run_root={root}", "job.executor=local", "job.wait_timeout_s=30", *HANG_SETS)],
-                    {"HPCTRAIN_FAULT": "SIGSTOP:1:forward3"})
+                    {"HPCTRAIN_FAULT": f"SIGSTOP:1:forward{step}"})
     gone, pids = hang_run(launch, b"SUBMITIT_LOCAL_GLOBALID", root, 4, culprit=1, stopped=True)
     assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
     assert launch.proc.returncode == 1 and "hang on rank" in launch.output, launch.output[-3000:]
@@ -31,9 +35,15 @@ def test_stopped_rank_local_processes(tmp_path) -> None:
     # rank 1's tp peer waits for it inside the forward; the dp peers wait for the tp pair in the gradient reduction
     assert any("rank 0 (" in line and "tp group" in line for line in report["lines"]), report["lines"]
     assert report["waiting"]["0"]["for"] == [1], report["waiting"]
-    record("SIGSTOP of rank 1 inside step 3's forward (local executor, 4 processes, tp=2 x dp=2)",
-           f"the watchdog ({HANG_S} s) dumps ranks 0, 2, 3, kills the stopped rank; submit --wait exits 1; "
-           "diagnose names rank 1", gone, "multiproc")
+    if step == 3:
+        record("SIGSTOP of rank 1 inside step 3's forward (local executor, 4 processes, tp=2 x dp=2)",
+               f"the watchdog ({HANG_S} s) dumps ranks 0, 2, 3, kills the stopped rank; submit --wait exits 1; "
+               "diagnose names rank 1", gone, "multiproc")
+    else:
+        record("SIGSTOP of rank 1 inside the first step's forward, whose long limit is 120 s (local executor, 4 "
+               "processes, tp=2 x dp=2)", f"a neighbour sees its watchdog silent at the step limit ({HANG_S} s): "
+               f"every rank gone within {HANG_S + GONE_MARGIN_S} s, dumps of ranks 0, 2, 3; submit --wait exits 1; "
+               "diagnose names rank 1", gone, "multiproc")
 
 
 def test_slow_rank_is_named_a_straggler(tmp_path) -> None:

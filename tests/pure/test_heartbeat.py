@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import record
 
 from helpers import REPO
 from hpctrain import diagnose, ending, heartbeat, stragglers, watchdog
@@ -49,7 +50,7 @@ def test_damaged_files_are_refused(tmp_path) -> None:
     path.write_bytes(bytes(raw))
     assert "torn or damaged" in heartbeat.read(path)["error"]
     path.write_bytes(b"x" * (FILE_BYTES + 1))
-    assert "not a 1024-byte" in heartbeat.read(path)["error"]
+    assert "more than the 1024" in heartbeat.read(path)["error"]
     link = tmp_path / "heartbeat" / "rank00001.hb"
     link.symlink_to(path)
     assert "error" in heartbeat.read(link)
@@ -300,3 +301,155 @@ def test_a_stopped_then_woken_watchdog_says_it_was_frozen(tmp_path) -> None:
         proc.wait()
     header, _ = diagnose.parse_dump(watchdog.hang_path(tmp_path, 1).read_text())
     assert header["frozen_s"] >= 3, header
+
+
+# --- issue 25 -------------------------------------------------------------------------------------------------------
+
+PEER = ("import sys, time\nfrom hpctrain import watchdog\nfrom hpctrain.heartbeat import Heartbeat\n"
+        "hb = Heartbeat(sys.argv[1], 3, {'node': 'n2'})\nhb.begin_step(1)\nhb.enter('forward')\n"
+        "watchdog.Watchdog(hb, sys.argv[1], watchdog.Limits(step_s=1, long_s=60))\n"
+        "print('ready', flush=True)\ntime.sleep(120)\n")
+
+
+@pytest.mark.faults
+def test_a_stopped_peer_ends_the_first_steps_long_limit(tmp_path, monkeypatch) -> None:
+    """The first step of every start (a requeued job's after a hang too) has the long limit: it compiles and sets up
+    NCCL. A peer that is stopped is not compiling: its watchdog falls silent. A rank idle past the step limit in its
+    first step whose neighbour's watchdog is silent for the step limit trips then, not after the long limit (1200 s
+    by default: the second stop of the Slurm requeue test took that long). A neighbour that is alive keeps the long
+    limit."""
+    proc = subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
+        me = watchdog.Peer.me(2)
+        dog.peers = [me, watchdog.Peer(3, me.host, proc.pid, watchdog.process_start(proc.pid))]
+        dog.long_until(1)  # the first step after a resume from step 0
+        time.sleep(3)  # idle well past the step limit, the peer alive (its watchdog runs): the long limit holds
+        assert not ended and heartbeat.read(heartbeat.heartbeat_path(tmp_path, 3))["alive"] > time.time() - 2
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not ended:
+            assert time.monotonic() - t0 < 20, "a stopped peer was not noticed within the step limit"
+            time.sleep(0.05)
+        seconds = time.monotonic() - t0
+        dog.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "rank 3" in ended[0] and "silent" in ended[0] and "parallel.hang_timeout_s" in ended[0], ended[0]
+    request = json.loads((tmp_path / "hang" / "request").read_text())
+    assert request["rank"] == 2 and "rank 3" in request["reason"], request
+    record("a peer stopped (SIGSTOP) in the first step, which has the long limit (60 s here, 1200 s by default; a "
+           "second stop after a hang requeue is one), while this rank waits past the step limit (1 s)",
+           "an alive peer keeps the long limit; once stopped, this rank's watchdog trips within 20 s naming the "
+           "peer's silent watchdog", seconds, "unit")
+
+
+@pytest.mark.faults
+def test_the_watchdog_reads_hang_request_bounded(tmp_path, monkeypatch) -> None:
+    """hang/request nested past json's recursion killed the watchdog thread (RecursionError); a FIFO there blocked
+    it for good. Both are unreadable requests now: answered with a dump (one too many rather than none)."""
+    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=30, long_s=60), "forward")
+    dog.stop()
+    (tmp_path / "hang").mkdir()
+    request = tmp_path / "hang" / "request"
+    answers: list[bool] = []
+    for make in (lambda: request.write_text("[" * 100000 + "]" * 100000), lambda: os.mkfifo(request)):
+        request.unlink(missing_ok=True)
+        make()
+        t = threading.Thread(target=lambda: answers.append(dog._asked(request)), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the watchdog blocked reading hang/request"
+    assert answers == [True, True], answers
+    request.unlink()
+    request.write_text(json.dumps({"rank": 0, "wall": time.time() - 600}))  # an earlier incarnation's
+    assert dog._asked(request) is False
+    record("hang/request nested 10^5 deep, or a FIFO", "the watchdog neither dies nor blocks: it answers with a "
+           "dump", tier="unit")
+
+
+@pytest.mark.faults
+def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None:
+    """A run directory holding hang/rank00002.txt (and .fr.json) as links to files elsewhere: the dump must not
+    overwrite them; a hang/ that is a link gets no dumps at all. The job still ends."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    (run / "hang").mkdir(parents=True)
+    watchdog.hang_path(run, 2).symlink_to(victim)
+    watchdog.hang_path(run, 2, ".fr.json").symlink_to(victim)
+    dog, hb, ended = _dog(run, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
+    dog.long_until(1)
+    t0 = time.monotonic()
+    while not ended:
+        assert time.monotonic() - t0 < 20, "the watchdog never tripped"
+        time.sleep(0.05)
+    dog.stop()
+    assert victim.read_text() == "precious\n"
+    other = tmp_path / "other"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    other.mkdir()
+    (other / "hang").symlink_to(elsewhere)
+    dog, hb, ended = _dog(other, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
+    dog.long_until(1)
+    t0 = time.monotonic()
+    while not ended:
+        assert time.monotonic() - t0 < 20, "the watchdog never tripped"
+        time.sleep(0.05)
+    dog.stop()
+    assert list(elsewhere.iterdir()) == [], list(elsewhere.iterdir())
+    record("hang/rank00002.txt and .fr.json linked to a file elsewhere; hang/ linked to a directory elsewhere",
+           "the watchdog writes through neither link and still ends the job", tier="unit")
+
+
+@pytest.mark.faults
+def test_heartbeat_reads_are_bounded_and_typed(tmp_path) -> None:
+    """A FIFO named as a heartbeat never blocks the reader; facts of the wrong types or out of range are damaged;
+    the file is not opened through a link when written either."""
+    (tmp_path / "heartbeat").mkdir()
+    os.mkfifo(heartbeat.heartbeat_path(tmp_path, 4))
+    assert "error" in heartbeat.read(heartbeat.heartbeat_path(tmp_path, 4))
+    hb = Heartbeat(tmp_path, 1, {"node": "n1"})
+    hb.enter("forward")
+    raw = bytearray(hb.path.read_bytes())
+    end = raw.index(b"\n", 256)
+    for facts, words in [({"rank": 1, "pid": "1"}, "pid"), ({"rank": True}, "rank"), ({"rank": -1}, "rank"),
+                         ({"rank": 1 << 20}, "rank"), ({"rank": 1, "coords": {"dp": "0"}}, "coords"),
+                         ({"rank": 1, "started": "now"}, "started"), ({"rank": 1, "failure": 3}, "failure")]:
+        raw[256:end] = json.dumps(facts).encode().ljust(end - 256)
+        hb.path.write_bytes(bytes(raw))
+        got = heartbeat.read(hb.path)
+        assert words in got.get("error", ""), (facts, got)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "heartbeat" / "rank00007.hb").symlink_to(victim)
+    with pytest.raises(OSError):
+        Heartbeat(tmp_path, 7, {"node": "n1"})
+    assert victim.read_text() == "precious\n"
+    record("a heartbeat that is a FIFO, facts of the wrong types or out of range, a heartbeat path linked to a file "
+           "elsewhere", "read() says error without blocking; the writer refuses the link", tier="pure")
+
+
+@pytest.mark.faults
+def test_plot_skips_damaged_rows(tmp_path) -> None:
+    """metrics.jsonl with a torn line, a lone surrogate, deep nesting, rows of the wrong shapes (a straggler rank
+    past the ranks logged): plot draws the good rows (it used to raise on the first)."""
+    from hpctrain.plot import plot_training, read_metrics
+    good = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-4, "tokens_per_s": 100.0, "mfu": 0.1,
+             "rank_compute_s": [1.0, 2.0], "rank_wait_s": [1.0, 0.0], "stragglers": [{"rank": 1}]} for s in (1, 2)]
+    bad = ['{"step": 3, "loss": "x", "lr": 1e-4, "tokens_per_s": 1, "mfu": 0.1}',
+           '{"step": 4, "loss": 1.0, "lr": 1e-4, "tokens_per_s": 1, "mfu": 0.1, "rank_compute_s": [1.0, 2.0], '
+           '"stragglers": [{"rank": 9}]}', '{"step": "5", "val_loss": 1.0}', '{"note": "\\ud800"}',
+           "[" * 100000 + "]" * 100000, '{"step": 6, "loss": 1.0, "lr"']
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good) + "\n".join(bad) + "\n")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert plot_training(tmp_path).stat().st_size > 10000
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").symlink_to(tmp_path / "training.png")
+    with pytest.raises(ValueError, match="link"):
+        read_metrics(tmp_path)
+    record("metrics.jsonl with a torn line, a lone surrogate, 10^5-deep nesting and rows of the wrong shapes; a "
+           "linked metrics.jsonl", "plot draws the good rows; the link is refused", tier="pure")
