@@ -10,8 +10,9 @@ checkpoints, evaluation and the first step get parallel.startup_timeout_s. Both 
 timeout (parallel.timeout_s), so the watchdog speaks first, while every rank is still alive to be asked.
 
 The first step's long limit is for work (compiling, NCCL's set-up), not for silence: every look of the thread is
-also a tick in the rank's heartbeat, and a rank idle past the step limit in its first step reads the ticks of the
-next PEERS_WATCHED ranks. A peer whose watchdog has been silent for the step limit is stopped, dead or stuck where
+also a tick in the rank's heartbeat, and a rank idle past half the step limit in its first step reads the ticks of
+the next PEERS_WATCHED ranks. A peer whose tick has not changed for the step limit (by this rank's clock: nodes'
+clocks are never compared) while this rank is idle past the step limit is stopped, dead or stuck where
 Python cannot run, and nothing it could be compiling: the hang is called then, not after the long limit. (Every
 start's first step, so the first step after a hang requeue too; a stretch of stopped ranks always follows a live
 rank, which watches the first of them.)
@@ -124,6 +125,8 @@ class Watchdog:
         self.on_end: Callable[[], str] | None = None
         self.long_until_step = 1  # steps up to this one (and start-up before them) have the long limit
         self._watched: tuple[list[Peer] | None, list[Peer]] = (None, [])  # (of which peers list, the ones watched)
+        # rank -> (its last tick read, this rank's monotonic time when it changed)
+        self._ticks: dict[int, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
@@ -167,9 +170,9 @@ class Watchdog:
                            frozen)
             elif request.exists() and self._asked(request):
                 self._hang(f"asked by another rank's watchdog ({request})", False, frozen)
-            elif idle > self.limits.step_s and self.in_first_step():
+            elif idle > self.limits.step_s / 2 and self.in_first_step():
                 silent = self.silent_peers()  # at most PEERS_WATCHED small reads a poll, in this window only
-                if silent:
+                if silent and idle > self.limits.step_s:
                     who = ", ".join(f"rank {r} ({age:.0f} s)" for r, age in silent)
                     self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} of the first step while the "
                                f"watchdog of {who} was silent: stopped, dead or stuck (limit "
@@ -177,9 +180,10 @@ class Watchdog:
                                f"holds while every rank is alive)", True, frozen)
 
     def silent_peers(self) -> list[tuple[int, float]]:
-        """(rank, seconds) of the next PEERS_WATCHED ranks whose watchdog has not ticked for longer than the step
-        limit. A heartbeat that is unreadable, another process's, or of a rank that ended is no evidence: skipped;
-        so is a peer in a long phase (loading a checkpoint, h5py may hold the GIL for long: its own limit holds)."""
+        """(rank, seconds) of the next PEERS_WATCHED ranks whose tick has not changed for longer than the step limit
+        by this rank's clock (read from half the step limit on, so a verdict comes by 1.5 step limits). A heartbeat
+        that is unreadable, another process's, or of a rank that ended is no evidence: skipped; so is a peer in a
+        long phase (loading a checkpoint, h5py may hold the GIL for long: its own limit holds)."""
         if self._watched[0] is not self.peers:  # the session sets the peers once, after the rendezvous
             peers = sorted(self.peers, key=lambda p: p.rank)
             ranks = [p.rank for p in peers]
@@ -187,15 +191,21 @@ class Watchdog:
             self._watched = (self.peers, [peers[(me + k) % len(peers)] for k in
                                           range(1, min(len(peers), PEERS_WATCHED + 1))] if self.hb.rank in ranks
                              else [])
-        now, silent = time.time(), []
+        now, silent = time.monotonic(), []
         for peer in self._watched[1]:
             beat = heartbeat.read(heartbeat.heartbeat_path(self.run_dir, peer.rank))
-            alive = beat.get("alive")
-            if "error" in beat or beat.get("pid") != peer.pid or alive is None \
+            tick = beat.get("alive")
+            if "error" in beat or beat.get("pid") != peer.pid or tick is None \
                     or beat.get("phase") in LONG_PHASES | {"done", "failed"}:
+                self._ticks.pop(peer.rank, None)
                 continue
-            if now - alive > self.limits.step_s:
-                silent.append((peer.rank, now - alive))
+            # the peer's tick is its own node's clock: only whether it changes is compared, over this rank's clock,
+            # so skew between nodes never makes a live peer look silent
+            seen = self._ticks.get(peer.rank)
+            if seen is None or seen[0] != tick:
+                self._ticks[peer.rank] = (tick, now)
+            elif now - seen[1] > self.limits.step_s:
+                silent.append((peer.rank, now - seen[1]))
         return silent
 
     def _hang(self, reason: str, first: bool, frozen_s: float = 0.0) -> None:

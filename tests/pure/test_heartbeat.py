@@ -346,6 +346,42 @@ def test_a_stopped_peer_ends_the_first_steps_long_limit(tmp_path, monkeypatch) -
            "peer's silent watchdog", seconds, "unit")
 
 
+def test_a_peer_on_a_skewed_clock_is_not_silent(tmp_path, monkeypatch) -> None:
+    """Peers' ticks are their own node's clock: a live peer whose clock is 1000 s behind keeps ticking, and only
+    whether its tick changes counts (an absolute comparison called it silent and ended a healthy job)."""
+    import zlib
+    peer = Heartbeat(tmp_path, 3, {"node": "n2"})
+    peer.begin_step(1)
+    peer.enter("collective", "all_reduce")
+    stop = threading.Event()
+
+    def skewed_ticks() -> None:
+        while not stop.is_set():
+            body = b"%.3f" % (time.time() - 1000)
+            line = b"WD %s %08x" % (body, zlib.crc32(body))
+            peer._mm[heartbeat.TICK_AT:] = line.ljust(heartbeat.FILE_BYTES - heartbeat.TICK_AT - 1) + b"\n"
+            time.sleep(0.1)
+    ticker = threading.Thread(target=skewed_ticks, daemon=True)
+    ticker.start()
+    try:
+        dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
+        me = watchdog.Peer.me(2)
+        dog.peers = [me, watchdog.Peer(3, me.host, os.getpid(), watchdog.process_start(os.getpid()))]
+        dog.long_until(1)
+        time.sleep(3)  # idle past the step limit in the first step; the peer's tick changes, 1000 s in the past
+        assert not ended, ended
+        stop.set()
+        ticker.join()
+        t0 = time.monotonic()
+        while not ended:  # its ticks stop: silent by this rank's clock
+            assert time.monotonic() - t0 < 20, "a peer whose tick stopped changing was not noticed"
+            time.sleep(0.05)
+        dog.stop()
+    finally:
+        stop.set()
+    assert "rank 3" in ended[0] and "silent" in ended[0], ended[0]
+
+
 @pytest.mark.faults
 def test_the_watchdog_reads_hang_request_bounded(tmp_path, monkeypatch) -> None:
     """hang/request nested past json's recursion killed the watchdog thread (RecursionError); a FIFO there blocked
