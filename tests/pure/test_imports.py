@@ -58,6 +58,8 @@ LEVELS: list[list[str]] = [
     ["launch", "checkpoint/hf", "cli_data", "cli_doctor", "cli_diagnose"],
     # 11: the `hpctrain` command
     ["cli"],
+    # 12: the console script: takes the signals, then imports cli
+    ["entry"],
 ]
 
 
