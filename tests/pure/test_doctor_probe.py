@@ -36,10 +36,13 @@ def test_probe_bytes_are_a_share_of_the_free_space():
 
 
 def _count_writes(monkeypatch) -> list[int]:
+    """The bytes of each os.write of the probe; past 64 MiB in all the test fails at once (a regression must not
+    write the 16 GiB it asks for)."""
     written: list[int] = []
     real = os.write
 
     def write(fd, data):
+        assert sum(written) < 64 * MiB, "the probe wrote more than 64 MiB"
         n = real(fd, data)
         written.append(n)
         return n
