@@ -293,6 +293,17 @@ def requeues_before(history: Path) -> int:
     return count
 
 
+def append_history(history: Path, row: dict[str, Any]) -> None:
+    """One line per failed attempt (what was excluded, why), appended to preflight.jsonl itself: a link planted in
+    its place is not followed (OSError) out of the run directory."""
+    try:
+        fd = os.open(history, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise OSError(f"cannot append to {history}: {e.strerror}") from None
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def _requeue_without(failed: list[str], num_nodes: int, run_dir: Path) -> tuple[bool, str]:
     """Rank 0 of a failed preflight: requeue the Slurm job with the failed nodes added to its excluded ones, unless
     that leaves the partition too few usable nodes, or this job was requeued so too often (run_dir's
@@ -340,8 +351,10 @@ def preflight(s: session.Session) -> bool:
         box[0] = {"requeued": requeued, "why": why, "failed_nodes": report["failed_nodes"],
                   "unattributed": report["unattributed"], "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        with (s.run_dir / "preflight.jsonl").open("a") as f:  # one line per failed attempt: what was excluded, why
-            f.write(json.dumps(box[0]) + "\n")
+        try:
+            append_history(s.run_dir / "preflight.jsonl", box[0])
+        except OSError as e:  # said, not fatal: the other ranks wait for this one's verdict
+            log.warning("preflight: %s", e)
     dist.broadcast_object_list(box, src=0)
     s.summary["preflight"] = box[0]
     if box[0]["requeued"]:

@@ -164,8 +164,16 @@ def test_preflight_history_symlink_is_not_followed(tmp_path):
     (tmp_path / "preflight.jsonl").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(Untrusted, match="symbolic link"):
         doctor.requeues_before(tmp_path / "preflight.jsonl")
+    with pytest.raises(OSError, match="cannot append to"):
+        doctor.append_history(tmp_path / "preflight.jsonl", {"requeued": True})
+    assert (tmp_path / "elsewhere").read_text() == '{"requeued": false}\n'  # untouched
+    (tmp_path / "preflight.jsonl").unlink()
+    doctor.append_history(tmp_path / "preflight.jsonl", {"requeued": True})
+    doctor.append_history(tmp_path / "preflight.jsonl", {"requeued": False})
+    assert doctor.requeues_before(tmp_path / "preflight.jsonl") == 1
     record("crafted preflight.jsonl (nested, surrogate, wrong type, huge, symlink)",
-           "Untrusted naming the file and line; the preflight requeues nothing", tier="pure")
+           "Untrusted naming the file and line; the preflight requeues nothing; a symlink is neither read nor "
+           "appended to", tier="pure")
 
 
 @pytest.mark.parametrize("content, why", [
