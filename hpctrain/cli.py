@@ -13,8 +13,18 @@
 Config and layout errors exit with status 2 and a message naming the value, before anything is submitted. A rank
 of `train` that fails ends the whole launch: under MPI with MPI_Abort, else by exiting non-zero (srun's
 --kill-on-bad-exit=1, which submit passes, then ends the other tasks).
+
+Signals (hpctrain/preempt.py): USR2 and TERM are taken before the imports below (by the console script,
+hpctrain/entry.py, or by the first lines here under `python -m hpctrain.cli`). For `train` they are a preemption:
+the ranks stop at the next step boundary, the first one if the signal came during start-up, and requeue. Every
+other command ends on them, and on SIGINT: exit status 128 + the signal's number, its files cleaned up.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # `python -m hpctrain.cli`: the signals are taken before click and the commands import
+    from hpctrain import preempt as _preempt
+
+    _preempt.process_flag()
 
 import functools
 import sys
@@ -24,6 +34,7 @@ from typing import Any, Callable
 
 import click
 
+from hpctrain import preempt
 from hpctrain.cli_data import data_group
 from hpctrain.cli_diagnose import diagnose_cmd
 from hpctrain.cli_doctor import command as doctor_command
@@ -41,6 +52,11 @@ def ends_launch_on_error(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except preempt.Ended as e:  # a signal to a command that is not a training job: no traceback
+            from hpctrain import ending
+            ending.leave_task_error(f"hpctrain: {e}")
+            ending.abort_launch(e.code)  # under MPI: the other ranks of the launch end with this one
+            raise
         except (Exception, KeyboardInterrupt) as e:
             from hpctrain import ending
             ending.wait_if_ending()  # the hang watchdog is ending the job: its dumps come first
@@ -62,8 +78,16 @@ def _load(config: str, overrides: tuple[str, ...]) -> Config:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """hpctrain: Slurm-native distributed training toolkit."""
+    # the command is known: a signal is a preemption of `train` (one during the imports stops it before its first
+    # step), the end of any other command (one during the imports ends it now)
+    flag = preempt.process_flag()
+    ends = ctx.invoked_subcommand != "train"
+    flag.end_on_signal(ends)
+    if ends:  # in-process callers (CliRunner, a submitit task) get their own handlers back afterwards
+        ctx.call_on_close(flag.restore)
 
 
 @main.command()
@@ -138,9 +162,6 @@ def _submit(cfg: Config, wait: bool, argv: Callable[[Path, Path], list[str]] = t
 @user_errors
 def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
     """Run one rank of the job (under mpiexec, srun, torchrun, or alone)."""
-    from hpctrain import preempt
-
-    preempt.process_flag()  # before anything slow: USR2/TERM during start-up is kept for the first step
     from hpctrain import train as train_mod
 
     cfg = _load(config, overrides)

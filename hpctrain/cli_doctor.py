@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import click
 
+from hpctrain import untrusted
 from hpctrain.cliutil import CONFIG_ARG, SET_OPT, user_errors
 from hpctrain.config import load_config
+from hpctrain.hostprobe import MAX_STORAGE_MB
+
+REPORT_LIMIT = 64 << 20  # bytes of doctor.json: about 1 KB per rank as written (indented), room for 60,000 ranks
 
 RULE_OPTIONS = ("margin", "storage_margin", "expected_fraction", "max_skew_ms")
 
@@ -29,6 +34,32 @@ RULE_OPTIONS = ("margin", "storage_margin", "expected_fraction", "max_skew_ms")
 def _rule_argv(rules: dict[str, float | None]) -> list[str]:
     """The rule options given, as the submitted ranks' command line."""
     return [a for k, v in rules.items() if v is not None for a in (f"--{k.replace('_', '-')}", repr(v))]
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    """The job's doctor.json, read as any file of a run directory is (hpctrain.untrusted): bounded, no link, a JSON
+    object whose "ok" is true or false; else a clean error naming the file."""
+    if not os.path.lexists(path):
+        raise click.ClickException(f"the job left no doctor.json in {path.parent}")
+    try:
+        report = untrusted.read_json(path, REPORT_LIMIT)
+    except untrusted.Untrusted as e:
+        raise click.ClickException(str(e)) from None
+    if not isinstance(report, dict) or not isinstance(report.get("ok"), bool):
+        raise click.ClickException(f"{str(path)!r} is not a doctor report (no true or false \"ok\")")
+    return report
+
+
+def _render(report: dict[str, Any], path: Path) -> str:
+    """The table of a report read back from a file: one that does not have the shape render() reads is refused
+    with its name instead of a traceback."""
+    from hpctrain import doctor_report
+
+    try:
+        return doctor_report.render(report)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise click.ClickException(f"{str(path)!r} is not a doctor report this version can show "
+                                   f"({type(e).__name__}: {e})") from None
 
 
 def command(ends_launch_on_error: Callable, submit: Callable[..., Path]) -> click.Command:
@@ -59,8 +90,10 @@ def command(ends_launch_on_error: Callable, submit: Callable[..., Path]) -> clic
                   "this share of its datasheet GEMM peak or link bandwidth [default: 0.4].")
     @click.option("--max-skew-ms", type=float, default=None, help="Fail a node whose clock is further than this "
                   "from rank 0's [default: 100].")
-    @click.option("--storage-mb", type=click.IntRange(1), default=128, show_default=True,
-                  help="MiB written and read back per node in the checkpoint directory.")
+    @click.option("--storage-mb", type=click.IntRange(1, MAX_STORAGE_MB), default=128, show_default=True,
+                  help=f"MiB written and read back per node in the checkpoint directory (at most {MAX_STORAGE_MB}; "
+                  "a node writes at most a tenth of the free space it sees, split between the nodes writing at "
+                  "once, and says so when it writes less).")
     @user_errors
     def doctor(config: str, overrides: tuple[str, ...], here: bool, run_dir: str | None, as_json: bool,
                margin, storage_margin, expected_fraction, max_skew_ms, storage_mb: int) -> None:
@@ -89,10 +122,8 @@ def command(ends_launch_on_error: Callable, submit: Callable[..., Path]) -> clic
             with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
                 path = submit(cfg, True, argv=lambda cfg_path, rdir: ["doctor", str(cfg_path), "--run-dir",
                                                                       str(rdir), *argv])
-            if not (path / "doctor.json").is_file():
-                raise click.ClickException(f"the job left no doctor.json in {path}")
-            report = json.loads((path / "doctor.json").read_text())
-            click.echo(json.dumps(report, indent=1) if as_json else doctor_report.render(report))
+            report = _read_report(path / "doctor.json")
+            click.echo(json.dumps(report, indent=1) if as_json else _render(report, path / "doctor.json"))
         if not report["ok"]:
             raise click.exceptions.Exit(1)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpctrain import doctor_report, hostprobe, mesh, metrics, preempt, runs, session
+from hpctrain import doctor_report, hostprobe, mesh, metrics, preempt, runs, session, untrusted
 from hpctrain.bench import gemm, harness
 from hpctrain.bench.colls import COLLS, Ctx
 from hpctrain.bench.sweep import bandwidths
@@ -52,6 +52,15 @@ class Options:
     # storage is best of more: one fsync now and then takes 5x its time here (a healthy node once failed at best
     # of 3 in a full test run), and a round is short (storage_mb each way)
     storage_reps: int = 5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.storage_mb <= hostprobe.MAX_STORAGE_MB:
+            raise ValueError(f"storage_mb = {self.storage_mb}: the storage probe writes between 1 and "
+                             f"{hostprobe.MAX_STORAGE_MB} MiB per node and round")
+
+
+class Preempted(Exception):
+    """A preemption signal during the preflight of a training job: every rank raises it at the same round."""
 
 
 def slow_factor(node: str) -> float:
@@ -86,16 +95,20 @@ def _turns(units: list[set[str]], share: bool) -> list[int]:
     return out
 
 
-def _in_turns(mine: int | None, turns: int, reps: int, fn: Callable[[], Any]) -> list[Any]:
+def _in_turns(mine: int | None, turns: int, reps: int, fn: Callable[[], Any],
+              stop: Callable[[], bool] | None = None) -> list[Any]:
     """fn()'s results of `reps` rounds, fn run in this rank's turn of each round, a world barrier after every turn;
     [] for a rank with no turn. Rounds go through all turns, so a burst of outside load hits one round of several
-    units rather than every round of one. Collective."""
+    units rather than every round of one. stop(), collective, is asked after every round: True raises Preempted
+    on every rank alike. Collective."""
     out = []
     for _ in range(reps):
         for t in range(turns):
             if t == mine:
                 out.append(fn())
             dist.barrier()
+        if stop is not None and stop():
+            raise Preempted
     return out
 
 
@@ -176,8 +189,9 @@ def clock_offsets(device: torch.device, world: int, rounds: int = 5) -> list[dic
     return best
 
 
-def measure(s: session.Session, opts: Options) -> dict[str, Any]:
-    """Everything the doctor measures, gathered: the same dict on every rank (doctor_report's input)."""
+def measure(s: session.Session, opts: Options, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Everything the doctor measures, gathered: the same dict on every rank (doctor_report's input). stop: see
+    _in_turns (the preflight passes training's preemption poll)."""
     t_start, rank, dev, cfg = time.time(), s.rank, s.device, s.cfg
     me = {"rank": rank, "node": s.ident.node_name, "host": s.ident.host, "local_rank": s.ident.local_rank}
     idents: list[Any] = [None] * s.ident.world_size
@@ -187,7 +201,7 @@ def measure(s: session.Session, opts: Options) -> dict[str, Any]:
     rec: dict[str, Any] = me | {"device": device_info(dev), "groups": [], "storage": None, "env": None}
 
     turns = _turns([{i["host"]} for i in idents], shared)
-    rounds = _in_turns(turns[rank], max(turns) + 1, opts.reps, lambda: gemm_rate(dev, stall))
+    rounds = _in_turns(turns[rank], max(turns) + 1, opts.reps, lambda: gemm_rate(dev, stall), stop)
     rec["gemm"] = max(rounds, key=lambda r: r["tflops"])
 
     plan: list[tuple[str, list[str], list[list[int]]]] = []  # (axis, its aliases, its groups), alike on every rank
@@ -204,7 +218,7 @@ def measure(s: session.Session, opts: Options) -> dict[str, Any]:
         mine = next(g for g in groups if rank in g)
         turns = _turns([{idents[r]["host"] for r in g} for g in groups], shared)
         rounds = _in_turns(turns[groups.index(mine)], max(turns) + 1, opts.reps,
-                           lambda: allreduce_busbw(mine, rank, group, dev, sizes))
+                           lambda: allreduce_busbw(mine, rank, group, dev, sizes), stop)
         if mine[0] == rank:
             nodes = list(dict.fromkeys(idents[r]["node"] for r in mine))
             rec["groups"].append({"axis": axis, "aliases": aliases, "members": mine, "nodes": nodes,
@@ -215,14 +229,17 @@ def measure(s: session.Session, opts: Options) -> dict[str, Any]:
     turns = _turns([{idents[r]["host"]} for r in leaders], True)  # the nodes of one host share its disk
     where = hostprobe.probe_dir(cfg.checkpoint.dir, s.run_dir)
     mine = turns[leaders.index(rank)] if rank in leaders else None
+    writers = turns.count(mine)  # nodes of other hosts write in the same turn, maybe to the same file system
     if mine is not None:
         os.sync()  # the node's earlier writes flushed first: an fsync of ours must not time their writeback
     rounds = _in_turns(mine, max(turns) + 1, opts.storage_reps,
-                       lambda: hostprobe.storage(where, opts.storage_mb << 20, me["node"], stall))
+                       lambda: hostprobe.storage(where, opts.storage_mb << 20, me["node"], stall, writers), stop)
     if rounds:
         failed = [r for r in rounds if "error" in r]
         rec["storage"] = failed[0] if failed else rounds[0] | {
             k: max(r[k] for r in rounds) for k in ("write_gbps", "read_gbps")}
+        if "shrunk" in rec["storage"]:
+            log.warning("storage probe of %s on %s: %s", where, me["node"], rec["storage"]["shrunk"])
     rec["env"] = hostprobe.environment() if rank in leaders else None
     offsets = clock_offsets(dev, s.ident.world_size)
 
@@ -243,11 +260,11 @@ def measure(s: session.Session, opts: Options) -> dict[str, Any]:
                        "clock": offsets[r["rank"]]} for r in every if r["rank"] in leaders]}
 
 
-def run(s: session.Session, opts: Options) -> dict[str, Any]:
+def run(s: session.Session, opts: Options, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Measures and judges (every rank alike); rank 0 writes doctor.json into the run directory."""
     rules = doctor_report.Rules.for_device(s.device.type, **opts.rules)
     expected = doctor_report.expected_figures(s.cfg.job.gpu) if s.cfg.job.gpu else None
-    report = doctor_report.analyse(measure(s, opts), rules, expected)
+    report = doctor_report.analyse(measure(s, opts, stop), rules, expected)
     s.summary["doctor"] = {k: report[k] for k in ("ok", "failed_nodes", "unattributed", "exclude")}
     if s.rank == 0:
         runs.write_json(s.run_dir / "doctor.json", report)
@@ -257,12 +274,44 @@ def run(s: session.Session, opts: Options) -> dict[str, Any]:
     return report
 
 
+HISTORY_LIMIT = 1 << 20  # bytes of preflight.jsonl: a line per failed attempt, a few hundred bytes each
+
+
+def requeues_before(history: Path) -> int:
+    """How often earlier preflights of this job requeued it: the lines of run_dir's preflight.jsonl whose
+    "requeued" is true. The file is read as untrusted (hpctrain.untrusted): an Untrusted error names it and what is
+    wrong with it."""
+    if not os.path.lexists(history):
+        return 0
+    count = 0
+    for i, line in enumerate(untrusted.read_bytes(history, HISTORY_LIMIT).splitlines(), 1):
+        row = untrusted.parse_json(line, f"{str(history)!r} line {i}")
+        if not isinstance(row, dict) or not isinstance(row.get("requeued"), bool):
+            raise untrusted.Untrusted(f"{str(history)!r} line {i}: not a preflight record (no true or false "
+                                      f"\"requeued\")")
+        count += row["requeued"]
+    return count
+
+
+def append_history(history: Path, row: dict[str, Any]) -> None:
+    """One line per failed attempt (what was excluded, why), appended to preflight.jsonl itself: a link planted in
+    its place is not followed (OSError) out of the run directory."""
+    try:
+        fd = os.open(history, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise OSError(f"cannot append to {history}: {e.strerror}") from None
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def _requeue_without(failed: list[str], num_nodes: int, run_dir: Path) -> tuple[bool, str]:
     """Rank 0 of a failed preflight: requeue the Slurm job with the failed nodes added to its excluded ones, unless
     that leaves the partition too few usable nodes, or this job was requeued so too often (run_dir's
-    preflight.jsonl counts them)."""
-    history = run_dir / "preflight.jsonl"
-    before = sum(json.loads(line)["requeued"] for line in history.read_text().splitlines()) if history.exists() else 0
+    preflight.jsonl counts them; a history that cannot be read requeues nothing: the count bounds the requeues)."""
+    try:
+        before = requeues_before(run_dir / "preflight.jsonl")
+    except untrusted.Untrusted as e:
+        return False, f"not requeued: {e}"
     job = preempt.slurm_job_id()
     if not job:
         return False, "not a Slurm job: nothing to requeue"
@@ -278,9 +327,18 @@ def _requeue_without(failed: list[str], num_nodes: int, run_dir: Path) -> tuple[
 
 def preflight(s: session.Session) -> bool:
     """job.preflight: the doctor's checks on training's own groups, after the mesh and before the model. True:
-    passed. False: failed under Slurm, and the job was requeued without the failed nodes (the attempt ends
-    without training; Slurm starts it again elsewhere). Otherwise a failure raises with the table."""
-    report = run(s, Options(axes=PREFLIGHT_AXES))
+    passed. False: this attempt ends without training: failed under Slurm, and the job was requeued without the
+    failed nodes (Slurm starts it again elsewhere); or preempted (training's flag, polled after every round of
+    measurements), and requeued as training is before its first step. Otherwise a failure raises with the
+    table."""
+    try:
+        report = run(s, Options(axes=PREFLIGHT_AXES), stop=lambda: s.preempt.poll(s.device))
+    except Preempted:
+        said = preempt.requeue() if s.rank == 0 else None
+        s.summary["preflight"] = {"preempted": True, "requeue": said}
+        if s.rank == 0:
+            log.warning("preempted during the preflight: this attempt ends without training; %s", said)
+        return False
     table = doctor_report.render(report)
     if s.rank == 0:
         for line in table.splitlines():
@@ -293,8 +351,10 @@ def preflight(s: session.Session) -> bool:
         box[0] = {"requeued": requeued, "why": why, "failed_nodes": report["failed_nodes"],
                   "unattributed": report["unattributed"], "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        with (s.run_dir / "preflight.jsonl").open("a") as f:  # one line per failed attempt: what was excluded, why
-            f.write(json.dumps(box[0]) + "\n")
+        try:
+            append_history(s.run_dir / "preflight.jsonl", box[0])
+        except OSError as e:  # said, not fatal: the other ranks wait for this one's verdict
+            log.warning("preflight: %s", e)
     dist.broadcast_object_list(box, src=0)
     s.summary["preflight"] = box[0]
     if box[0]["requeued"]:

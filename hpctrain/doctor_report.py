@@ -310,6 +310,8 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines += [f"communication variables on {node}: {', '.join(f'{k}={v}' for k, v in vs.items()) or 'none'}"
                   for node, vs in envs.items()]
+    lines += [f"storage on {n['node']}: {n['storage']['shrunk']}" for n in report["nodes"]
+              if (n["storage"] or {}).get("shrunk")]  # a probe bounded by the free space measures less
     for r in report["checks"]:
         if not r["ok"]:
             lines.append(f"FAIL {r['check']} {r['subject']} on {compress(r['nodes'])}: {'; '.join(r['why'])}")

@@ -2,13 +2,18 @@
 flag; the ranks agree on it at the next step boundary with one all-reduce, save, and rank 0 requeues the job,
 unless Slurm is ending it already (a user's plain scancel also sends SIGTERM: see requeue()).
 
-    flag = process_flag()              # first thing in the rank: installs the handlers (replacing submitit's)
+    flag = process_flag()              # first thing in the process: installs the handlers (replacing submitit's)
+    flag.end_on_signal(command != "train")   # once the command is known (hpctrain/cli.py's group)
     if flag.poll(device):                # collective: every rank calls it after the same step
         ...save, then requeue()...
 
-The flag is the process's, installed before torch is even imported (this module imports it only to poll): a
-signal during imports, rendezvous, model build or resume is kept for the trainer's first poll instead of killing
-the rank. session.start hands it to the payload as Session.preempt.
+The flag is the process's, installed before anything heavy is imported (the `hpctrain` console script,
+hpctrain/entry.py, and `python -m hpctrain.cli` install it first; this module imports torch only to poll): a
+signal during the imports, rendezvous, model build or resume is kept instead of killing the process. What it
+means is decided once the command is known: for `train` a preemption, kept for the trainer's first poll
+(session.start hands the flag to the payload as Session.preempt); every other command ends on it (Ended, raised
+in the main thread: `finally` blocks run, the exit status is 128 + the signal's number), at once if it came
+during the imports.
 """
 from __future__ import annotations
 
@@ -16,13 +21,17 @@ import logging
 import os
 import re
 import signal
-import subprocess
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.hostlist import compress, expand
 
 if TYPE_CHECKING:
+    import subprocess
+
     import torch
+
+# subprocess is imported where scontrol and sinfo run: this module is the first the `hpctrain` command imports, and
+# every millisecond before process_flag() is one in which a signal kills the process
 
 log = logging.getLogger(__name__)
 
@@ -30,26 +39,67 @@ SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 _process_flag: PreemptionFlag | None = None
 
 
+class Ended(SystemExit):
+    """A signal to a command that is not a training job, raised in the main thread: it unwinds (finally blocks and
+    context managers clean up) and the process exits with 128 + the signal's number, as a shell reports a process
+    the signal killed (143 for SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"ended by {signal.Signals(self.signum).name}"
+
+
 class PreemptionFlag:
     def __init__(self, signals=SIGNALS) -> None:
         self.received: int | None = None
         self.signals = signals
         self.previous: dict[int, Any] = {}
+        # what a signal means: None until the command is known (kept, as a preemption), False a preemption (kept
+        # for poll()), True the end of the process (Ended; SIGINT taken too, for one way of ending)
+        self.ends: bool | None = None
+        self.ended = False  # Ended was raised: the process is unwinding, later signals wait for it
         self.install()
+
+    def _taken(self) -> tuple[int, ...]:
+        return (*self.signals, signal.SIGINT) if self.ends and self.signals else self.signals
 
     def install(self) -> None:
         """Takes the signals (again, after a restore() or another handler took them)."""
-        for sig in self.signals:
+        for sig in self._taken():
             current = signal.getsignal(sig)
             if current != self._handler:
                 self.previous[sig] = current
                 signal.signal(sig, self._handler)
 
+    def end_on_signal(self, ends: bool = True) -> None:
+        """What a signal means from now on. ends=True (every command but `train`): the end of the process, as
+        Ended raised in the main thread; one received before (during the imports) ends it now. False: a
+        preemption, kept for poll(); SIGINT is given back."""
+        if not ends and signal.SIGINT in self.previous and signal.SIGINT not in self.signals:
+            signal.signal(signal.SIGINT, self.previous.pop(signal.SIGINT))
+        self.ends = ends
+        self.install()
+        if ends and self.received is not None:
+            self._end(self.received)
+
+    def _end(self, signum: int) -> None:
+        self.ended = True
+        log.warning("received %s: ending (this command is not a training job)", signal.Signals(signum).name)
+        raise Ended(signum)
+
     def _handler(self, signum, frame) -> None:
+        if self.ends:
+            if not self.ended:  # a second signal must not break off the clean-up of the first
+                self._end(signum)
+            return
         # only set a flag: saving inside a signal handler could interleave with a collective in flight
         if self.received is None:
-            log.warning("received %s: will checkpoint and stop at the next step boundary",
-                        signal.Signals(signum).name)
+            log.warning("received %s: %s", signal.Signals(signum).name,
+                        "will checkpoint and stop at the next step boundary" if self.ends is False else
+                        "kept: a preemption if this process trains, else its end")
         self.received = signum
 
     def poll(self, device: torch.device | None = None) -> bool:
@@ -65,8 +115,11 @@ class PreemptionFlag:
         return bool(t.item() > 0)
 
     def restore(self) -> None:
+        """Gives the signals back to the handlers they had before; what a signal means is undecided again."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        self.previous.clear()
+        self.ends, self.ended = None, False
 
     def clear(self) -> None:
         """Forgets a signal that was acted on (a process that runs several sessions in turn starts each clean)."""
@@ -75,7 +128,7 @@ class PreemptionFlag:
 
 def process_flag() -> PreemptionFlag:
     """The process's flag, installed on the first call (signal handlers belong to the whole process): the
-    `train` command calls it before anything else, session.start again for other entry points."""
+    `hpctrain` command calls it before anything else, session.start again for other entry points."""
     global _process_flag
     if _process_flag is None:
         _process_flag = PreemptionFlag()
@@ -88,6 +141,8 @@ def _scontrol(*args: str, ignore_term: bool = False) -> subprocess.CompletedProc
     command starts with SIGTERM ignored (set by a shell trap and kept across exec; a handler would not be), so the
     SIGTERM Slurm sends the job's processes at a requeue does not kill it; from any thread (the hang watchdog's
     too), since this process's own handlers are left alone."""
+    import subprocess
+
     cmd = ["scontrol", *args]
     if ignore_term:
         cmd = ["sh", "-c", 'trap "" TERM; exec scontrol "$@"', "scontrol", *args]
@@ -163,6 +218,8 @@ USABLE_STATES = ("idle", "mixed", "allocated", "completing", "planned")  # other
 
 def usable_nodes(partition: str) -> list[str] | str:
     """The partition's nodes that can run jobs (busy ones included), or why they cannot be listed."""
+    import subprocess
+
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %T"], capture_output=True, text=True,
                              timeout=60, stdin=subprocess.DEVNULL)

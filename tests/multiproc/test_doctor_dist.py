@@ -6,7 +6,8 @@ spawn running every case in turn (tests/workers/doctor_worker.py).
 A healthy run passes with every communicator measured (tp = intra, dp = inter, world), results checked, both
 nodes' storage, clocks and environment; a node slowed 10x by the test switch (HPCTRAIN_DOCTOR_SLOW) fails and is
 named in the --exclude= line on every rank; job.preflight with that node, outside Slurm, fails the training job
-with the table before any model is built, and passes a healthy one into training.
+with the table before any model is built, and passes a healthy one into training; a preemption signal stops
+the preflight on every rank and the training job requeues without training, as it would before its first step.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ CASES = [
     {"name": "slowed", "kind": "doctor", "slow": "node1"},
     {"name": "preflight_slowed", "kind": "train", "slow": "node0", "sets": ["job.preflight=true"]},
     {"name": "preflight_healthy", "kind": "train", "sets": ["job.preflight=true"]},
+    {"name": "preflight_preempted", "kind": "train", "sets": ["job.preflight=true"], "preempt": 1},
 ]
 
 
@@ -60,3 +62,12 @@ def test_doctor_on_four_ranks(tmp_path) -> None:
 
     passing = _seen(tmp_path, "preflight_healthy")
     assert all(p["summary"]["doctor"]["ok"] and p["summary"]["train"]["steps"] == 2 for p in passing), passing[0]
+
+    preempted = _seen(tmp_path, "preflight_preempted")
+    for p in preempted:  # stopped at the preflight's first round, on every rank; no model built, nothing trained
+        assert p["summary"]["preflight"]["preempted"] and "train" not in p["summary"] and "doctor" not in p[
+            "summary"], p["summary"]
+    assert preempted[0]["summary"]["preflight"]["requeue"].startswith("not a Slurm job: nothing to requeue")
+    record("USR2 to rank 1 of a training job with job.preflight, before the preflight (4 ranks, 2 nodes)",
+           "every rank stops the preflight after its first round and trains nothing; rank 0 asks for the requeue",
+           tier="unit")

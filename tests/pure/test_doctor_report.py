@@ -200,6 +200,14 @@ def test_storage_free_space_clock_and_environment():
     assert "communication variables on n1: NCCL_IB_HCA==mlx5_0" in render(report)
 
 
+def test_a_shrunk_storage_probe_is_said_under_the_table():
+    m = measured()
+    m["nodes"][1]["storage"] |= {"asked": 1 << 34, "shrunk": "probe shrunk from 16384 to 12 MiB: at most 10% of the "
+                                 "0.126 GB free, shared by 1 node(s) writing at once"}
+    assert "storage on n2: probe shrunk from 16384 to 12 MiB" in render(analyse(m, CPU, None))
+    assert "probe shrunk" not in render(analyse(measured(), CPU, None))
+
+
 def test_device_visibility():
     gpu_job_on_cpu = measured()
     gpu_job_on_cpu["job"]["gpu_job"] = True

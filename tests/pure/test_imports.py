@@ -60,6 +60,8 @@ LEVELS: list[list[str]] = [
     ["launch", "checkpoint/hf", "cli_data", "cli_doctor", "cli_diagnose"],
     # 12: the `hpctrain` command
     ["cli"],
+    # 13: the console script: takes the signals, then imports cli
+    ["entry"],
 ]
 
 

@@ -1,17 +1,18 @@
 """One rank of tests/multiproc/test_doctor_dist.py (4 ranks with torchrun's variables, 2 "nodes" of 2 named
 node0 and node1): each case runs the doctor (doctor.run) or a training job with job.preflight, in one process,
-and writes what it saw to <out>/<case>-rank<r>.json."""
+and writes what it saw to <out>/<case>-rank<r>.json. A case's "preempt": that rank signals itself (USR2) first."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 os.environ["SLURMD_NODENAME"] = f"node{os.environ['GROUP_RANK']}"  # the node names the doctor blames
 from helpers import EXAMPLE, each_case  # noqa: E402
-from hpctrain import doctor, session, train  # noqa: E402
+from hpctrain import doctor, preempt, session, train  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 
 SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.steps=2", "train.log_every=1",
@@ -32,6 +33,9 @@ def main(out: str, cases_json: str, base_port: int) -> None:
                 seen["run_dir"] = str(s.run_dir)
                 seen["fails"] = [r for r in report["checks"] if not r["ok"]]
         else:  # a training job with job.preflight = true
+            if c.get("preempt") == int(os.environ["RANK"]):  # a preemption that arrives before the preflight
+                preempt.process_flag()
+                os.kill(os.getpid(), signal.SIGUSR2)
             try:
                 seen["summary"] = train.run(cfg)
             except RuntimeError as e:
