@@ -187,8 +187,7 @@ def render_sbatch(cfg: Config, folder: str | Path, python: str | None = None) ->
     """The sbatch script submitit would write, without Slurm present."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    python = python or shlex.quote(sys.executable)
-    command = f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    command = f"{task_python(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
     return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
 
 
@@ -251,14 +250,20 @@ def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) 
     return out
 
 
+def task_python(python: str | None = None) -> str:
+    """The python command submitit starts each task with: hpctrain.entry's task runner, which takes USR2 and TERM
+    before submitit is imported (a preemption while a task starts is kept, not fatal), then runs submitit's."""
+    return f"{python or shlex.quote(sys.executable)} -u -m hpctrain.entry"
+
+
 def make_executor(kind: str, cfg: Config, folder: Path):
     import submitit
     if kind == "slurm":
-        ex = submitit.SlurmExecutor(folder=folder)
+        ex = submitit.SlurmExecutor(folder=folder, python=task_python())
         ex.update_parameters(**slurm_parameters(cfg))
         return ex
     # The local executor has one node: every rank of every requested node runs on this host.
-    ex = submitit.LocalExecutor(folder=folder)
+    ex = submitit.LocalExecutor(folder=folder, python=task_python())
     ex.update_parameters(tasks_per_node=cfg.world_size, nodes=1, timeout_min=cfg.job.time_min)
     return ex
 

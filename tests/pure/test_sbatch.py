@@ -64,7 +64,7 @@ def test_llama_sbatch_content():
     (srun,) = [line for line in lines if line.startswith("srun ")]
     assert srun == ("srun --unbuffered --output /RUNDIR/submitit/%j_%t_log.out --error /RUNDIR/submitit/%j_%t_log.err "
                     "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none "
-                    "python3 -u -m submitit.core._submit /RUNDIR/submitit")
+                    "python3 -u -m hpctrain.entry -u -m submitit.core._submit /RUNDIR/submitit")
 
 
 def test_gpu_sbatch_content():
@@ -81,8 +81,8 @@ def test_gpu_sbatch_content():
     assert len(srun) == 1
     line = lines[srun[0]]
     # one failed task ends the others at once (user srun_args come after, so they may override it)
-    assert "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none python3 -u -m submitit.core._submit " \
-        "/RUNDIR/submitit" in line
+    assert "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none python3 -u -m hpctrain.entry -u -m " \
+        "submitit.core._submit /RUNDIR/submitit" in line
     setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", IB_HCA, "export OMP_NUM_THREADS=8")]
     assert setup == sorted(setup)
     assert lines.index(directives[-1]) < setup[0] and setup[-1] < srun[0]
