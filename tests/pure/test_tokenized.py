@@ -107,11 +107,11 @@ def test_workers_write_the_same_bytes_and_the_split_is_fixed(bpe, inputs, tmp_pa
 def test_uint32_when_the_vocabulary_needs_it(tmp_path) -> None:
     ids = np.array([1, 70000, 5, 65536, 2], dtype="<u4")
     raw = tmp_path / "raw"
-    raw.write_bytes(ids.tobytes())
     record = {"dtype": "uint32", "byteorder": "little", "vocab_size": 70001, "tokenizer": "bpe",
               "tokenizer_sha256": "0" * 64, "eos_id": 2, "num_tokens": 5, "num_docs": 1, "split": "train"}
     assert tokenized._dtype(65536) == np.dtype("<u2") and tokenized._dtype(65537) == np.dtype("<u4")
     for suffix, reader in ((".bin", ArraySource), (".npy", ArraySource), (".h5", HDF5Source)):
+        raw.write_bytes(ids.tobytes())  # a .bin takes it by rename
         tokenized._finish(raw, tmp_path / f"t{suffix}", record)
         src = reader(tmp_path / f"t{suffix}")
         assert src.read(0, 5).tolist() == ids.tolist() and src.vocab_size == 70001 and src.record["eos_id"] == 2
