@@ -15,10 +15,10 @@ sha256, vocab size, EOS id and the document count, and a copy of tokenizer.json 
 under temporary names and renamed.
 
 Memory is bounded whatever the input. Files (and compressed streams) are read in pieces, never whole. A document
-longer than MAX_PIECE_CHARS characters is encoded in pieces of at most that many, cut after the last newline in
-the second half of the piece, else before its last space or tab, else anywhere: the tokenizer never sees a
-longer string, the pieces' tokens follow each other with no EOS between them, and the document still counts
-once, goes to one split, and ends with one EOS. (A tokenizer can encode the text around a cut a little
+longer than MAX_PIECE_CHARS (1 Mi) characters is encoded in pieces of at most that many, cut after the last
+newline in the second half of the piece, else before its last space or tab, else anywhere; one call of the
+tokenizer takes at most that many characters too. The pieces' tokens follow each other with no EOS between them,
+and the document still counts once, goes to one split, and ends with one EOS. (A tokenizer can encode the text around a cut a little
 differently than it would have unsplit; documents up to the cap are encoded whole, as before.) A JSON line is
 read up to `max_line_mib` MiB: a longer one is an error naming the file and line (skipping it would drop data
 silently; the bound can be raised). Tokens go to temporary files as they come: a worker writes each file's
@@ -56,11 +56,10 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 JSONL_SUFFIXES = (".jsonl", ".json")
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
 _MAX_TOKENIZER_BYTES = 64 << 20
-# The tokenizers library holds some 200-250 bytes per character of a string while it encodes it (measured here:
-# +200 MB for a 1 Mi-character string): pieces and batches of 1 Mi characters keep an encoding process near
-# 300 MB however long a document or line is.
+# The tokenizers library holds a few hundred bytes per character of a string while it encodes it (measured here:
+# +350 MB for a 1 Mi-character line of English): pieces, and batches, of at most 1 Mi characters keep an encoding
+# process near 400 MB however long a document or a line is.
 MAX_PIECE_CHARS = 1 << 20
-BATCH_CHARS = 1 << 20
 BATCH_PIECES = 256
 MAX_LINE_MIB = 16  # default bound of one JSON line (--max-line-mib)
 READ_BYTES = 1 << 20  # text is read and decoded in pieces of this many bytes
@@ -147,7 +146,7 @@ def _cut(text: str, lo: int, hi: int) -> int:
     return space if space > lo else hi
 
 
-def split_document(chunks: Iterable[str], cap: int = MAX_PIECE_CHARS) -> Iterator[tuple[str, bool]]:
+def split_document(chunks: Iterable[str], cap: int) -> Iterator[tuple[str, bool]]:
     """(piece, is_last) for one document given as consecutive chunks of text: pieces of at most `cap` characters
     (see _cut), the document whole when it fits. Nothing for an empty document."""
     buf = ""
@@ -176,16 +175,16 @@ def _json_lines(f: BinaryIO, path: Path, limit: int) -> Iterator[tuple[int, byte
             yield number, line
 
 
-def document_pieces(path: Path, field: str = "text", max_line_mib: int = MAX_LINE_MIB
-                    ) -> Iterator[tuple[str, bool]]:
+def document_pieces(path: Path, field: str = "text", max_line_mib: int = MAX_LINE_MIB,
+                    piece_chars: int = MAX_PIECE_CHARS) -> Iterator[tuple[str, bool]]:
     """(piece, is_last) of every document of one input file (the whole text, or each JSON line's `field`), pieces
-    of at most MAX_PIECE_CHARS characters (split_document); empty documents are left out. Errors name the file."""
+    of at most `piece_chars` characters (split_document); empty documents are left out. Errors name the file."""
     comp, kind = _kind(path) or ("", "text")
     opener = _zstd_open if comp == ".zst" else lambda p: (COMPRESSED.get(comp) or open)(p, "rb")
     try:
         with opener(path) as f:
             if kind == "text":
-                yield from split_document(_text_chunks(f, path))
+                yield from split_document(_text_chunks(f, path), piece_chars)
                 return
             for number, line in _json_lines(f, path, max_line_mib << 20):
                 obj = parse_json(line, f"{path}:{number}")  # not JSON, too deep, a lone surrogate: Untrusted
@@ -193,7 +192,7 @@ def document_pieces(path: Path, field: str = "text", max_line_mib: int = MAX_LIN
                 if not isinstance(text, str):
                     raise ValueError(f"{path}:{number}: no string field {field!r} (--field names it)")
                 del obj, line  # the text alone stays while it is encoded
-                yield from split_document([text])
+                yield from split_document([text], piece_chars)
     except _read_errors() as e:
         raise ValueError(f"{path}: cannot be read: {e}") from None
 
@@ -246,13 +245,14 @@ def _encode_batch(tok, batch: list[tuple[str, bool]], dtype: np.dtype) -> Iterat
         yield np.asarray(e.ids, dtype=dtype).tobytes(), len(e.ids), last
 
 
-def _encoded(pieces: Iterable[tuple[str, bool]], tok, dtype: np.dtype) -> Iterator[tuple[bytes, int, bool]]:
+def _encoded(pieces: Iterable[tuple[str, bool]], tok, dtype: np.dtype, batch_chars: int
+             ) -> Iterator[tuple[bytes, int, bool]]:
     """(token bytes in `dtype`, token count, ends its document) for each piece, encoded in batches of at most
-    BATCH_PIECES pieces and BATCH_CHARS characters (one longer piece alone)."""
+    BATCH_PIECES pieces and `batch_chars` characters (one longer piece alone)."""
     batch: list[tuple[str, bool]] = []
     chars = 0
     for text, last in pieces:
-        if batch and (len(batch) == BATCH_PIECES or chars + len(text) > BATCH_CHARS):
+        if batch and (len(batch) == BATCH_PIECES or chars + len(text) > batch_chars):
             yield from _encode_batch(tok, batch, dtype)
             batch, chars = [], 0
         batch.append((text, last))
@@ -261,15 +261,15 @@ def _encoded(pieces: Iterable[tuple[str, bool]], tok, dtype: np.dtype) -> Iterat
         yield from _encode_batch(tok, batch, dtype)
 
 
-def _encode_file(args: tuple[str, str, int, str, str]) -> None:
+def _encode_file(args: tuple[str, str, int, int, str, str]) -> None:
     """One input file encoded into part files, in a worker process: `<part>.ids` (its tokens, no EOS) and
     `<part>.lens` (each document's token count, int64), read back by _replay."""
-    path, field, max_line_mib, part, dtype = args
+    path, field, max_line_mib, piece_chars, part, dtype = args
     lens: list[int] = []
     run = 0
     with open(f"{part}.ids", "wb") as ids, open(f"{part}.lens", "wb") as ends:
-        for data, n, last in _encoded(document_pieces(Path(path), field, max_line_mib), _WORKER["tok"],
-                                      np.dtype(dtype)):
+        for data, n, last in _encoded(document_pieces(Path(path), field, max_line_mib, piece_chars),
+                                      _WORKER["tok"], np.dtype(dtype), piece_chars):
             ids.write(data)
             run += n
             if last:
@@ -362,8 +362,10 @@ def _dtype(vocab: int) -> np.dtype:
 
 def build_tokenized(inputs: list[Path], out: Path, tokenizer: Path, field: str = "text", val_fraction: float = 0.0,
                     seed: int = 0, workers: int = 0, eos: str | None = None, max_line_mib: int = MAX_LINE_MIB,
-                    progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
-    """Encodes the inputs into `out` (and its validation split); see the module docstring. Returns
+                    piece_chars: int = MAX_PIECE_CHARS, progress: Callable[[int, int, int], None] | None = None
+                    ) -> dict[str, Any]:
+    """Encodes the inputs into `out` (and its validation split); see the module docstring (`piece_chars`: the
+    longest string the tokenizer is given, MAX_PIECE_CHARS unless a caller knows better). Returns
     {"path", "val_path", "documents", "val_documents", "tokens", "val_tokens", "files", "dtype", "vocab_size",
     "eos_id", "tokenizer_sha256", "bytes"}."""
     out = Path(out)
@@ -373,6 +375,8 @@ def build_tokenized(inputs: list[Path], out: Path, tokenizer: Path, field: str =
         raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if type(max_line_mib) is not int or max_line_mib < 1:
         raise ValueError(f"--max-line-mib {max_line_mib!r} must be an integer >= 1")
+    if type(piece_chars) is not int or piece_chars < 2:
+        raise ValueError(f"piece_chars {piece_chars!r} must be an integer >= 2")
     tok, sha, tok_raw = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos_token = eos_id(tok, eos, f"--tokenizer {str(tokenizer)!r}")
@@ -388,13 +392,14 @@ def build_tokenized(inputs: list[Path], out: Path, tokenizer: Path, field: str =
             splits = _Splits({"train": train_f, "val": val_f}, np.asarray([eos_token], dtype=dtype).tobytes(), seed,
                              val_fraction)
             if workers > 1 and len(files) > 1:
-                _encode_in_pool(files, field, max_line_mib, parts, dtype, min(workers, len(files)),
+                _encode_in_pool([(str(f), field, max_line_mib, piece_chars, part, dtype.str)
+                                 for f, part in zip(files, parts)], min(workers, len(files)),
                                 tok_raw.decode("utf-8"), splits, progress or show.update)
             else:
                 _init_worker(tok_raw.decode("utf-8"))
                 for path in files:
-                    docs, ntok = splits.take(_encoded(document_pieces(path, field, max_line_mib), _WORKER["tok"],
-                                                      dtype))
+                    docs, ntok = splits.take(_encoded(document_pieces(path, field, max_line_mib, piece_chars),
+                                                      _WORKER["tok"], dtype, piece_chars))
                     (progress or show.update)(docs, ntok, path.stat().st_size)
         if show is not None:
             show.update(0, 0, 0, final=True)
@@ -423,33 +428,31 @@ def build_tokenized(inputs: list[Path], out: Path, tokenizer: Path, field: str =
             "tokenizer_sha256": sha, "bytes": size}
 
 
-def _encode_in_pool(files: list[Path], field: str, max_line_mib: int, parts: list[str], dtype: np.dtype,
-                    processes: int, tokenizer_json: str, splits: _Splits,
-                    progress: Callable[[int, int, int], None]) -> None:
-    """Files encoded by `processes` workers into part files, copied into `splits` in input order. At most two
-    files per worker are encoded or waiting at a time: the part files on disk stay bounded too."""
+def _encode_in_pool(jobs: list[tuple[str, str, int, int, str, str]], processes: int, tokenizer_json: str,
+                    splits: _Splits, progress: Callable[[int, int, int], None]) -> None:
+    """_encode_file(job) for every job by `processes` workers, the part files copied into `splits` in input order.
+    At most two files per worker are encoded or waiting at a time: the part files on disk stay bounded too."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")  # no fork: the tokenizers library's threads must not cross it
     pool = ctx.Pool(processes, initializer=_init_worker, initargs=(tokenizer_json,))
     try:
         pending: deque = deque()
-        todo = iter(range(len(files)))
-        for i in todo:
-            pending.append((i, pool.apply_async(_encode_file, ((str(files[i]), field, max_line_mib, parts[i],
-                                                                dtype.str),))))
+        todo = iter(jobs)
+        for job in todo:
+            pending.append((job, pool.apply_async(_encode_file, (job,))))
             if len(pending) == 2 * processes:
                 break
         while pending:
-            i, result = pending.popleft()
+            job, result = pending.popleft()
             result.get()  # a worker's error (a ValueError naming the file) is raised here
-            for j in todo:  # one more file in flight
-                pending.append((j, pool.apply_async(_encode_file, ((str(files[j]), field, max_line_mib,
-                                                                    parts[j], dtype.str),))))
+            for more in todo:  # one more file in flight
+                pending.append((more, pool.apply_async(_encode_file, (more,))))
                 break
-            docs, ntok = splits.take(_replay(parts[i], dtype))
+            path, part, dtype = job[0], job[4], np.dtype(job[5])
+            docs, ntok = splits.take(_replay(part, dtype))
             for end in ("ids", "lens"):
-                Path(f"{parts[i]}.{end}").unlink()
-            progress(docs, ntok, files[i].stat().st_size)
+                Path(f"{part}.{end}").unlink()
+            progress(docs, ntok, Path(path).stat().st_size)
     finally:
         pool.terminate()  # joins the workers too: none writes a part file after this
 
