@@ -18,12 +18,12 @@ Memory is bounded whatever the input. Files (and compressed streams) are read in
 longer than MAX_PIECE_CHARS (1 Mi) characters is encoded in pieces of at most that many, cut after the last
 newline in the second half of the piece, else before its last space or tab, else anywhere; one call of the
 tokenizer takes at most that many characters too. The pieces' tokens follow each other with no EOS between them,
-and the document still counts once, goes to one split, and ends with one EOS. (A tokenizer can encode the text around a cut a little
-differently than it would have unsplit; documents up to the cap are encoded whole, as before.) A JSON line is
-read up to `max_line_mib` MiB: a longer one is an error naming the file and line (skipping it would drop data
-silently; the bound can be raised). Tokens go to temporary files as they come: a worker writes each file's
-tokens and document lengths to part files beside OUT, which the main process copies into the splits in input
-order (at most two per worker wait at any time).
+and the document still counts once, goes to one split, and ends with one EOS. (A tokenizer can encode the text
+around a cut a little differently than it would have unsplit; documents up to the cap are encoded whole, as
+before.) A JSON line is read up to `max_line_mib` MiB: a longer one is an error naming the file and line
+(skipping it would drop data silently; the bound can be raised). Tokens go to temporary files as they come: a
+worker writes each file's tokens and document lengths to part files beside OUT, which the main process copies
+into the splits in input order (at most two per worker wait at any time).
 
 Errors name the file (and the line of a JSON line): text that is not UTF-8 (with its byte offset), a JSON line
 that is not JSON, is nested deeper than untrusted.MAX_DEPTH, holds a lone surrogate or lacks the string field,
@@ -66,13 +66,55 @@ READ_BYTES = 1 << 20  # text is read and decoded in pieces of this many bytes
 _COPY_TOKENS = 1 << 20  # a part file's document is copied in pieces of at most this many tokens
 
 
+_ZSTD_INPUT = 1 << 10  # compressed bytes per step: zstd expands at most ~32,000 times, so a step gives <= ~32 MiB
+
+
+class _ZstdReader(io.RawIOBase):
+    """A .zst file's bytes, frame after frame, in bounded steps, and an EOFError when the file ends inside a frame:
+    zstandard's own stream reader ends there silently, which would drop the rest of a cut file unnoticed."""
+
+    def __init__(self, path: Path) -> None:
+        import zstandard
+        self._dctx = zstandard.ZstdDecompressor()
+        self._src = open(path, "rb")
+        self._frame = None  # the decompressor of the frame being read; None between frames
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._src.close()
+        super().close()
+
+    def readinto(self, buf) -> int:
+        while self._pos == len(self._out):
+            data = self._src.read(_ZSTD_INPUT)
+            if not data:
+                if self._frame is not None:
+                    raise EOFError("the zstd stream ends inside a frame")
+                return 0
+            out = []
+            while data:
+                if self._frame is None:
+                    self._frame = self._dctx.decompressobj()
+                out.append(self._frame.decompress(data))
+                data = b""
+                if self._frame.eof:  # the rest starts the next frame
+                    data, self._frame = self._frame.unused_data, None
+            self._out, self._pos = b"".join(out), 0
+        n = min(len(buf), len(self._out) - self._pos)
+        buf[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 def _zstd_open(path: Path):
     try:
-        import zstandard
+        import zstandard  # noqa: F401
     except ImportError:
         raise ValueError(f"{str(path)!r} is zstd-compressed: pip install zstandard to read it") from None
-    # its reader has no readline: the buffer gives it one, bounded like every other stream's
-    return io.BufferedReader(zstandard.open(path, "rb"))
+    return io.BufferedReader(_ZstdReader(path))  # readline, bounded like every other stream's
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:

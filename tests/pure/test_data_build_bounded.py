@@ -9,7 +9,8 @@ reading the file whole takes:
 - a .jsonl.gz whose one line expands to 1 GiB: refused at the 16 MiB line bound, exit 2 naming the file and line,
   under 200 MiB.
 The peak is measured by tests/workers/peak_rss.py, which kills a child that passes twice its bound, so a
-regression fails the test without taking the machine's memory. The 1 GiB single-line byte-level build took 51 MB and 12 s here (by hand, not in the suite).
+regression fails the test without taking the machine's memory. By hand (not in the suite), the byte-level build of
+a 1 GiB single-line file peaked at 51 MB and took 12 s here.
 
     .venv/bin/python -m pytest -q tests/pure/test_data_build_bounded.py
 """
@@ -68,7 +69,7 @@ def test_byte_level_build_of_a_256_mib_line(tmp_path) -> None:
     assert len(src) == 256 * MiB and bytes(src.read(5 * MiB - 7, 100).astype(np.uint8)) == \
         (block * 6)[5 * MiB - 7:5 * MiB + 93]
     record("data build (byte level) of a 256 MiB single-line text file, in a fresh process",
-           f"exit 0, every byte a token, peak resident under 128 MiB (was 1.8 GB); 1 GiB by hand: 51 MB",
+           "exit 0, every byte a token, peak resident under 128 MiB",
            tier="cli")
 
 
@@ -88,8 +89,8 @@ def test_real_tokenizer_build_of_a_6_mib_line(bpe, tmp_path) -> None:
     assert src.record["num_docs"] == 1 and int((tokens == eos).sum()) == 1 and tokens[-1] == eos
     assert tok.decode(tokens[:-1].tolist()) == text  # six pieces, nothing lost or doubled at the cuts
     record("data build --tokenizer (BPE) of a 6 MiB single-line text file, in a fresh process",
-           "exit 0, one document that decodes back to the text with one EOS, peak resident under 600 MB "
-           "(was 1.3 GB)", tier="cli")
+           "exit 0, one document that decodes back to the text with one EOS, peak resident under 600 MB",
+           tier="cli")
 
 
 def _gzip_bomb(path: Path, head: bytes, body: bytes, repeat: int) -> None:
