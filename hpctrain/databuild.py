@@ -5,14 +5,18 @@
     python -m hpctrain.databuild data/notes.h5 notes/ a.txt   # any text files or directories
 
 The formats are the ones hpctrain.tokenfiles reads: .bin or .npy with a `<out>.json` sidecar, or HDF5 (dataset
-"tokens", the record in its attributes). Tokenizer-built datasets (BPE): hpctrain.tokenized. No torch here.
+"tokens", the record in its attributes). Files are read in pieces and tokens written as they come: memory stays
+bounded whatever the size of a file. Tokenizer-built datasets (BPE): hpctrain.tokenized. No torch here.
 """
 from __future__ import annotations
 
+import codecs
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable
 
 import h5py
 import numpy as np
@@ -74,36 +78,60 @@ def _input_files(inputs: list[Path]) -> list[Path]:
     return unique
 
 
-def _read_text(path: Path) -> bytes | None:
-    """The file's UTF-8 bytes, or None when it is unreadable or not text."""
+READ_BYTES = 1 << 20  # a file is read, checked and written in pieces of this size: memory never holds a whole file
+
+
+def _append_text(path: Path, sink: BinaryIO, separator: bool) -> int | None:
+    """Appends the file's bytes to `sink` as uint16 tokens, preceded by EOS when `separator`; returns how many bytes
+    of text it held, or None when it is unreadable or not text (not UTF-8, or holding NUL), after cutting `sink`
+    back to where it was. Read in pieces: the whole file is never in memory."""
+    start, n = sink.tell(), 0
+    check = codecs.getincrementaldecoder("utf-8")()  # strict: the same verdict as decoding the whole file
     try:
-        raw = path.read_bytes()
-        raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+        with open(path, "rb") as f:
+            while chunk := f.read(READ_BYTES):
+                check.decode(chunk)
+                if b"\x00" in chunk:
+                    raise UnicodeError("NUL")
+                if separator and n == 0:
+                    sink.write(np.array([EOS], dtype="<u2").tobytes())
+                sink.write(np.frombuffer(chunk, dtype=np.uint8).astype("<u2").tobytes())
+                n += len(chunk)
+        check.decode(b"", final=True)  # a character cut off at the end
+    except (OSError, UnicodeError):
+        sink.seek(start)
+        sink.truncate()
         return None
-    return None if b"\x00" in raw else raw
+    return n
 
 
-def write_tokens(tokens: np.ndarray, out: Path) -> None:
-    """Writes `tokens` (byte-tokenizer ids, stored as little-endian uint16; the record says vocab_size VOCAB_SIZE,
-    tokenizer "bytes") to `out` in the format its suffix picks, as build_dataset describes: .bin or .npy with a
-    `<out>.json` sidecar, anything else HDF5 (dataset "tokens", the record in its attrs). Writes to a temporary
-    name first so a reader never sees half a file."""
-    meta = {"dtype": "uint16", "byteorder": "little", "num_tokens": int(tokens.size),
-            "vocab_size": VOCAB_SIZE, "tokenizer": "bytes"}
-    if out.suffix in (".bin", ".npy"):  # HDF5 keeps the same record in attributes
-        write_atomic(Path(str(out) + ".json"), json.dumps(meta, indent=1) + "\n")
+def write_token_file(raw: Path, out: Path, record: dict[str, Any], attrs: tuple[str, ...]) -> int:
+    """Makes `out` from `raw`, a file of little-endian token ids of record["dtype"] (record["num_tokens"] of them),
+    in the format out's suffix picks, with `record` as its sidecar (.bin, .npy) or the `attrs` keys of it as the
+    HDF5 dataset's attributes; returns out's size. `raw` is consumed: .bin takes it by rename, .npy puts a header
+    before a copy, HDF5 copies it into a chunked dataset in pieces. Nothing is ever held whole in memory."""
+    dtype = np.dtype(record["dtype"]).newbyteorder("<")
+    n = record["num_tokens"]
+    if out.suffix in (".bin", ".npy"):
+        write_atomic(Path(f"{out}.json"), json.dumps(record, indent=1) + "\n")
     with replacing(out) as tmp:
         if out.suffix == ".bin":
-            tmp.write_bytes(tokens.astype("<u2").tobytes())
+            os.replace(raw, tmp)
         elif out.suffix == ".npy":
-            with open(tmp, "wb") as f:  # np.save on a path would append ".npy" to the temporary name
-                np.save(f, tokens.astype("<u2"))
+            with open(tmp, "wb") as f, open(raw, "rb") as src:  # np.save on a path would append ".npy" to tmp
+                np.lib.format.write_array_header_1_0(f, {"descr": dtype.str, "fortran_order": False,
+                                                         "shape": (n,)})
+                shutil.copyfileobj(src, f, 1 << 24)
         else:
-            with h5py.File(tmp, "w") as f:
-                dset = f.create_dataset("tokens", data=tokens.astype("<u2"), chunks=(min(tokens.size, 1 << 16),))
-                for key in ("vocab_size", "tokenizer", "num_tokens"):
-                    dset.attrs[key] = meta[key]
+            step = 1 << 22
+            # read(), not a memmap: the pages of a memmap walked to its end all count as this process's memory
+            with h5py.File(tmp, "w") as f, open(raw, "rb") as src:
+                dset = f.create_dataset("tokens", shape=(n,), dtype=dtype, chunks=(max(1, min(n, 1 << 16)),))
+                for i in range(0, n, step):
+                    dset[i:i + step] = np.frombuffer(src.read(step * dtype.itemsize), dtype=dtype)
+                for key in attrs:
+                    dset.attrs[key] = record[key]
+    return out.stat().st_size
 
 
 def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
@@ -111,31 +139,34 @@ def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
 
     The suffix of `out` picks the format: .bin (raw little-endian uint16) or .npy, each with a `<out>.json`
     sidecar (dtype, num_tokens, vocab_size, tokenizer), or .h5/.hdf5 (dataset "tokens", the same in attrs).
-    Files that are unreadable or not UTF-8 text are skipped and counted; empty files are left out.
+    Files that are unreadable or not UTF-8 text are skipped and counted; empty files are left out. Files are
+    streamed in pieces into a temporary file beside `out`: memory stays bounded whatever their size.
     Returns {"files", "skipped", "tokens", "bytes" (size of the token file written), "path"}.
     """
     out = Path(out)
     if out.suffix not in OUT_SUFFIXES:
         raise ValueError(f"dataset output {str(out)!r}: suffix {out.suffix!r} is not one of {', '.join(OUT_SUFFIXES)}")
-    docs, skipped = [], 0
-    for path in _input_files(inputs):
-        text = _read_text(path)
-        if text is None:
-            skipped += 1
-        elif text:
-            docs.append(np.frombuffer(text, dtype=np.uint8))
-    if not docs:
-        raise ValueError(f"no readable text in {[str(p) for p in inputs]} ({skipped} files skipped)")
-    pieces = []
-    for i, doc in enumerate(docs):
-        if i:
-            pieces.append(np.array([EOS], dtype=np.uint8))
-        pieces.append(doc)
-    tokens = np.concatenate(pieces).astype(np.uint16)
+    files = _input_files(inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_tokens(tokens, out)
-    return {"files": len(docs), "skipped": skipped, "tokens": int(tokens.size),
-            "bytes": out.stat().st_size, "path": str(out)}
+    raw = out.with_name(f".{out.name}.{os.getpid()}.raw")
+    docs = skipped = tokens = 0
+    try:
+        with open(raw, "wb") as sink:
+            for path in files:
+                n = _append_text(path, sink, separator=docs > 0)
+                if n is None:
+                    skipped += 1
+                elif n:
+                    tokens += n + (docs > 0)
+                    docs += 1
+        if not docs:
+            raise ValueError(f"no readable text in {[str(p) for p in inputs]} ({skipped} files skipped)")
+        record = {"dtype": "uint16", "byteorder": "little", "num_tokens": tokens, "vocab_size": VOCAB_SIZE,
+                  "tokenizer": "bytes"}
+        size = write_token_file(raw, out, record, attrs=("vocab_size", "tokenizer", "num_tokens"))
+    finally:
+        raw.unlink(missing_ok=True)
+    return {"files": docs, "skipped": skipped, "tokens": tokens, "bytes": size, "path": str(out)}
 
 
 def main(argv: list[str]) -> int:

@@ -5,9 +5,10 @@
     source.read(start, count)                # tokens[start:start + count] as int64; len(source) tokens in all
 
 Opening a file checks its shape and its sidecar or attributes and scans its ids once (min >= 0, max_id), keeping
-the result in `<path>.ids.json` or the user's cache directory. TokenSource is the interface every source follows.
-Most callers want hpctrain.data.open_source, which picks the class from the config and checks the file against
-the model; hpctrain.data writes these files (build_dataset).
+the result in `<path>.ids.json` or the user's cache directory. Both JSON files are read through hpctrain.untrusted
+(size and depth bounded, no symbolic link): a bad sidecar is refused, a bad id cache only means a new scan.
+TokenSource is the interface every source follows. Most callers want hpctrain.data.open_source, which picks the
+class from the config and checks the file against the model; hpctrain.data writes these files (build_dataset).
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ import h5py
 import numpy as np
 
 from hpctrain.fsutil import write_atomic
+from hpctrain.untrusted import read_json
+
+# A sidecar or an id cache is a few hundred bytes of JSON: anything much larger is not one.
+_MAX_SIDECAR_BYTES = 1 << 20
+_MAX_CACHE_BYTES = 1 << 16
 
 
 def val_file(path: str) -> str:
@@ -75,11 +81,11 @@ def _id_range(path: Path, array: Any, n: int, dtype: np.dtype) -> tuple[int, int
     caches = [Path(f"{path}.ids.json")] + [Path(home, "hpctrain", "ids", f"{digest}.json")] * os.path.isabs(home)
     for cache in caches:
         try:
-            entry = json.loads(cache.read_text())
+            entry = read_json(cache, _MAX_CACHE_BYTES)
             if {k: entry[k] for k in key} == key and type(entry["min_id"]) is type(entry["max_id"]) is int:
                 return entry["min_id"], entry["max_id"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # missing, unreadable or damaged: scan
+        except (ValueError, KeyError, TypeError):
+            pass  # missing, a link, too large, damaged (untrusted.Untrusted is a ValueError): scan
     low, high = _scan_ids(array, n)
     for cache in caches:
         try:
@@ -103,9 +109,9 @@ def _count(value: Any, what: str, low: int) -> int | None:
 
 def _sidecar(sidecar: Path) -> tuple[dict[str, Any], np.dtype]:
     """A raw file's `<path>.json` ({} when absent) and its dtype: uint16 little-endian unless it says otherwise."""
-    try:
-        meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
-    except (OSError, ValueError) as e:
+    try:  # lexists: a dangling link is refused, not taken for no sidecar
+        meta = read_json(sidecar, _MAX_SIDECAR_BYTES) if os.path.lexists(sidecar) else {}
+    except ValueError as e:  # Untrusted: a link, too large, not UTF-8, not JSON, too deep, a lone surrogate
         raise ValueError(f"sidecar {str(sidecar)!r} is not readable JSON: {e}") from None
     if not isinstance(meta, dict):
         raise ValueError(f"sidecar {str(sidecar)!r} holds {meta!r:.80}, not a JSON object")

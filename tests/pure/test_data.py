@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from faults import record
 
 from helpers import REPO, refused
 from hpctrain.config import DataConfig
@@ -136,6 +137,27 @@ def test_build_refuses_bad_input(texts, tmp_path):
     (tmp_path / "empty").mkdir()
     refused(build_dataset, [tmp_path / "empty"], tmp_path / "c.bin", fragments=["no text files", "empty"])
     refused(build_dataset, [texts / "blob.txt"], tmp_path / "c.bin", fragments=["no readable text", "1 files skipped"])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+def test_files_are_read_in_pieces_and_a_bad_one_is_cut_back_out(tmp_path, monkeypatch):
+    """Byte level reads 1 MiB at a time (here 5 bytes): a multi-byte character across a piece boundary is text; a
+    bad byte or a NUL found after earlier pieces were written leaves nothing of that file behind."""
+    from hpctrain import databuild
+    monkeypatch.setattr(databuild, "READ_BYTES", 5)
+    root = tmp_path / "src"
+    root.mkdir()
+    a = "caf\u00e9 \u4e16\u754c \U0001f600 r\u00e9sum\u00e9\n" * 3
+    d = "the last one\n"
+    (root / "a.txt").write_text(a)
+    (root / "b.txt").write_bytes(b"fine text for a while " * 3 + b"\xff and more")
+    (root / "c.txt").write_bytes(b"fine text for a while " * 3 + b"\x00 and more")
+    (root / "d.txt").write_text(d)
+    (root / "e.txt").write_bytes("cut at the end \u00e9".encode()[:-1])
+    (root / "f.txt").write_bytes(b"")
+    stats = build_dataset([root], tmp_path / "c.bin")
+    assert stats["files"] == 2 and stats["skipped"] == 3
+    assert ArraySource(tmp_path / "c.bin").read(0, 10 ** 6).tolist() == expected_tokens(a, d)
 
 
 # --- sources: checks ------------------------------------------------------------------------------------------
@@ -337,3 +359,56 @@ def test_loader_refuses_too_small_a_dataset_and_bad_ranks():
     ld = loader()
     refused(ld.load_state_dict, {"epoch": 0, "sample_index": 41, "seed": 0, "samples_seen": 0},
             fragments=["41", "40 samples"])
+
+
+# --- sidecars and id caches are files we did not write (issue 25) ------------------------------------------------
+
+@pytest.mark.faults
+def test_sidecars_are_read_bounded_and_never_through_a_link(tmp_path):
+    np.arange(100, dtype="<u2").tofile(tmp_path / "t.bin")
+    side = tmp_path / "t.bin.json"
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"vocab_size": 256}))
+    cases = {
+        "2 MiB": (lambda: side.write_text(json.dumps({"vocab_size": 256, "pad": "x" * (2 << 20)})),
+                  ["bytes, more than the 1048576"]),
+        "deep": (lambda: side.write_text('{"vocab_size": 256, "x": ' + "[" * 100000 + "]" * 100000 + "}"),
+                 ["nested more than 64"]),
+        "surrogate": (lambda: side.write_text('{"vocab_size": 256, "tokenizer": "bytes \\ud800"}'),
+                      ["lone surrogate"]),
+        "link": (lambda: side.symlink_to(elsewhere), ["symbolic link"]),
+        "dangling link": (lambda: side.symlink_to(tmp_path / "gone.json"), ["symbolic link"]),
+    }
+    for name, (make, fragments) in cases.items():
+        side.unlink(missing_ok=True)
+        make()
+        refused(ArraySource, tmp_path / "t.bin", fragments=[str(side), "not readable JSON", *fragments])
+    side.unlink()
+    assert ArraySource(tmp_path / "t.bin").vocab_size == 100  # no sidecar at all: raw uint16, scanned
+    record("token file sidecar of 2 MiB, nested 100000 deep, holding a lone surrogate, or a (dangling) symlink",
+           "ValueError naming the sidecar and what is wrong with it", tier="pure")
+
+
+@pytest.mark.faults
+def test_a_damaged_id_cache_is_scanned_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    np.array([1, 2, 300, 4], dtype="<u2").tofile(tmp_path / "t.bin")
+    assert ArraySource(tmp_path / "t.bin").max_id == 300
+    cache = tmp_path / "t.bin.ids.json"
+    good = json.loads(cache.read_text())
+    lie = tmp_path / "lie.json"
+    lie.write_text(json.dumps(good | {"max_id": 5}))
+    damaged = {
+        "deep": lambda: cache.write_text(json.dumps(good)[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}"),
+        "100 KiB": lambda: cache.write_text(json.dumps(good | {"max_id": 5, "pad": "x" * 100000})),
+        "link": lambda: cache.symlink_to(lie),
+    }
+    for name, make in damaged.items():
+        cache.unlink()
+        make()
+        assert ArraySource(tmp_path / "t.bin").max_id == 300, name
+        assert not cache.is_symlink() and json.loads(cache.read_text()) == good, name  # written anew
+    assert json.loads(lie.read_text())["max_id"] == 5  # the link's target untouched
+    record("token id cache nested 100000 deep, of 100 KiB with a lying max_id, or a symlink to a lying file",
+           "ignored: the ids are scanned again (right max_id) and the cache rewritten as a plain file",
+           tier="pure")
