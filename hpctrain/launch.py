@@ -199,7 +199,13 @@ def hf_tokenizer_sha256(cfg: Config) -> str | None:
     if path is None or not path.is_file() or path.is_symlink():
         return None
     import hashlib
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    from hpctrain.untrusted import read_bytes
+    try:  # as large as the import reads (hf_import), and never through a link
+        raw = read_bytes(path, 64 << 20)
+    except ValueError as e:
+        raise ValueError(f"train.init_from = {cfg.train.init_from!r}: {e}") from None
+    return hashlib.sha256(raw).hexdigest()
 
 
 def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
