@@ -149,7 +149,7 @@ def prefetch(path: Path, ranges: list[tuple[int, int]]) -> None:
     if not hasattr(os, "posix_fadvise"):
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused by the read itself: no hint for it
     except OSError:
         return
     try:

@@ -14,7 +14,6 @@ with what the commit recorded, and every problem is a CheckpointCorrupt naming t
 """
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,15 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint.h5file import crc32
-from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, check_crc32, open_stored, read_stored
+from hpctrain.checkpoint.hdf5_storage import (
+    INDEX,
+    MAX_INDEX_BYTES,
+    CheckpointCorrupt,
+    HDF5Reader,
+    check_crc32,
+    open_stored,
+    plain_directory,
+    read_checkpoint_json,
+    read_stored,
+)
 from hpctrain.checkpoint.index import Stored
+from hpctrain.untrusted import Untrusted, read_bytes
 
 MARKER = "COMMITTED"
 EXTRA = "train_state.json"
 UNUSABLE = "UNUSABLE.txt"
 MARKER_VERSION = 2  # 2: marker carries seq and the crc32 of train_state.json and index.json
 _NAME = re.compile(r"step_(\d{8,})(\.partial|\.old|\.unusable(?:-\d+)?)?")
-_MAX_JSON = 64 << 20  # a marker or train_state.json larger than this is damage
+MAX_JSON_BYTES = 64 << 20  # a marker or train_state.json larger than this is damage
 
 
 def step_name(step: int) -> str:
@@ -47,25 +57,21 @@ def parse_name(name: str) -> tuple[int, str] | None:
 
 
 def file_crc(path: Path) -> int:
+    """crc32 of a checkpoint's JSON file (a regular file, no link, index.json's size bound); Untrusted otherwise."""
     import numpy as np
-    return crc32(np.frombuffer(path.read_bytes(), dtype=np.uint8))
+    return crc32(np.frombuffer(read_bytes(path, MAX_INDEX_BYTES), dtype=np.uint8))
 
 
 def read_json(path: Path) -> Any:
-    """A small JSON file, as CheckpointCorrupt when missing, huge or malformed."""
-    try:
-        if path.stat().st_size > _MAX_JSON:
-            raise CheckpointCorrupt(path, None, f"{path.stat().st_size} bytes: too large for this file")
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointCorrupt(path, None, "missing") from None
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointCorrupt(path, None, f"unreadable or not JSON ({e})") from None
+    """A small JSON file of a checkpoint (through hpctrain.untrusted: no link, size and depth bound), as
+    CheckpointCorrupt when missing, a link, huge, too deep or malformed."""
+    return read_checkpoint_json(path, MAX_JSON_BYTES)
 
 
 def read_marker(ckpt: Path) -> dict[str, Any]:
     """The COMMITTED marker, checked: its step matches the directory's, seq and checksums are present."""
     path = ckpt / MARKER
+    plain_directory(ckpt)  # what a link would lead to is no checkpoint of this directory
     marker = read_json(path)
     parsed = parse_name(ckpt.name)
     if not isinstance(marker, dict):
@@ -95,8 +101,8 @@ def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     for name in (EXTRA, INDEX):
         try:
             got = file_crc(ckpt / name)
-        except OSError as e:
-            raise CheckpointCorrupt(ckpt / name, None, f"unreadable ({e})") from None
+        except Untrusted as e:
+            raise CheckpointCorrupt(ckpt / name, None, str(e)) from None
         if got != marker["files"][name]:
             raise CheckpointCorrupt(ckpt / name, None, f"crc32 {got:#010x}, committed as {marker['files'][name]:#010x}")
     extra = read_json(ckpt / EXTRA)
