@@ -60,12 +60,12 @@ from torch.futures import Future
 
 from hpctrain.checkpoint.h5file import (
     CHUNK_BYTES,
-    FILE_OPTIONS,
     LOCKING,
     DatasetMaker,
     byte_ranges,
     chunk_shape,
     crc32,
+    create_file,
     from_numpy,
     fsync,
     merge_ranges,
@@ -169,11 +169,14 @@ class HDF5Writer(StorageWriter):
 
     def _write_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Writes every item, each dataset with its crc32 computed in line (zlib-ng's vectorised crc32, small beside
-        the write itself), then closes the file and flushes it once."""
+        the write itself), then closes the file and flushes it once. A failed write (a full disk) raises its own
+        error: every dataset is closed as soon as it is written and the metadata flushed before the file is
+        closed, so no HDF5 close is left to fail (see h5file.create_file)."""
         name = plan.storage_data
         path = self.path / name
         stored = []
-        with h5py.File(path, "w", locking=LOCKING, **FILE_OPTIONS) as f:
+        f = create_file(path)
+        try:
             make = DatasetMaker(f)
             for item in plan.items:
                 data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
@@ -193,8 +196,17 @@ class HDF5Writer(StorageWriter):
                     crc = crc32(arr)
                     make.uint32_attr(dsid, "crc32", crc)
                 offset = dsid.get_offset() if chunks is None else None  # None too when nothing was stored
+                dsid.close()
                 stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc, file_offset=offset,
                                                   shape=tuple(arr.shape))))
+            f.flush()
+        except BaseException:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 -- the file is abandoned, never committed; the write's error is the one
+                pass
+            raise
+        f.close()
         fsync(path)
         size = path.stat().st_size
         return [WriteResult(index=index, size_in_bytes=s.nbytes, storage_data=dataclasses.replace(s, file_bytes=size))
