@@ -1,10 +1,12 @@
 """A checkpoint directory on disk, and the checks that decide whether one may be loaded. Nothing read here is
-trusted: every file is parsed as JSON or HDF5 (never unpickled), sizes, shapes, dtypes and checksums are compared
-with what the commit recorded, and every problem is a CheckpointCorrupt naming the file.
+trusted: every file is parsed as JSON or HDF5 (never unpickled) and read from the directory itself (no symbolic
+links; HDF5 datasets only from their own file: hdf5_storage.open_stored), sizes, shapes, dtypes and checksums are
+compared with what the commit recorded, and every problem is a CheckpointCorrupt naming the file.
 
     <checkpoints>/step_00000042/            one committed checkpoint (8 or more digits, no extra leading zeros)
         shard-<rank>.h5, index.json         hdf5_storage.py
-        train_state.json                    the trainer's small control state (JSON)
+        train_state.json                    the trainer's small control state (JSON); its world_size sizes the
+                                            RNG table a load allocates, so it may not exceed what the shards hold
         COMMITTED                           written last: {"step", "seq", "files": {name: crc32}, provenance...}
     step_00000042.partial/                  a save in flight, or one that was killed: never counts
     step_00000042.old/                      a checkpoint being replaced by a new save of its step
@@ -14,6 +16,7 @@ with what the commit recorded, and every problem is a CheckpointCorrupt naming t
 """
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,7 +35,8 @@ from hpctrain.checkpoint.hdf5_storage import (
     read_checkpoint_json,
     read_stored,
 )
-from hpctrain.checkpoint.index import Stored
+from hpctrain.checkpoint.index import SHARD_NAME, Stored
+from hpctrain.checkpoint.state import rng_table_bytes
 from hpctrain.untrusted import Untrusted, read_bytes
 
 MARKER = "COMMITTED"
@@ -109,7 +113,25 @@ def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(extra, dict) or extra.get("step") != marker["step"]:
         raise CheckpointCorrupt(ckpt / EXTRA, None, f"step {extra.get('step') if isinstance(extra, dict) else extra!r}"
                                                     f", the marker says {marker['step']}")
+    world = extra.get("world_size")
+    if type(world) is int:
+        # a load allocates the saved world's RNG table before it reads a byte (state.rng_table): a number read
+        # sizes nothing larger than the shard files that must hold that table
+        need, held = rng_table_bytes(world), _shard_bytes(ckpt)
+        if need > held:
+            raise CheckpointCorrupt(ckpt / EXTRA, None, f"world_size {world} needs an RNG table of {need} bytes; "
+                                                        f"the shard files hold {held}")
     return marker, extra
+
+
+def _shard_bytes(ckpt: Path) -> int:
+    """Bytes of the regular files named shard-<rank>.h5 in the checkpoint directory (links not followed)."""
+    total = 0
+    with os.scandir(ckpt) as entries:
+        for e in entries:
+            if SHARD_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    return total
 
 
 @dataclass

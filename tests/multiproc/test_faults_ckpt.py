@@ -261,6 +261,27 @@ def test_train_state_schema_even_when_resealed(tmp_path) -> None:
            "falls back", tier="checkpoint")
 
 
+def test_train_state_world_size_sizes_nothing_before_refusal(tmp_path, monkeypatch) -> None:
+    from hpctrain.checkpoint.checkpointer import Checkpointer
+    _fit(tmp_path, "train.steps=2", "checkpoint.every_steps=1")
+    ck = tmp_path / "ck" / "step_00000002"
+    extra = json.loads((ck / "train_state.json").read_text())
+    extra["world_size"] = 1 << 20  # within the schema's bound: a 5.3 GB RNG table for a 1-rank checkpoint
+    (ck / "train_state.json").write_text(json.dumps(extra))
+    _reseal(ck)
+    real = Checkpointer._tensors
+
+    def no_table_of_the_crafted_size(self, saved_world=None):  # the state a load fills, RNG table included
+        assert saved_world in (None, 1), f"an RNG table of {saved_world} rows was allocated before the refusal"
+        return real(self, saved_world)
+    monkeypatch.setattr(Checkpointer, "_tensors", no_table_of_the_crafted_size)
+    assert _fit(tmp_path, "train.steps=3")["resumed_from"] == 1
+    why = (tmp_path / "ck" / "step_00000002.unusable" / "UNUSABLE.txt").read_text()
+    assert "world_size 1048576 needs an RNG table of 5301600256 bytes" in why, why
+    record("train_state.json with world_size 2^20 (a 5.3 GB RNG table), checksum re-sealed", "refused before "
+           "anything sized by it is allocated; falls back to the previous checkpoint", tier="checkpoint")
+
+
 def test_failure_after_data_reached_live_state_is_fatal(tmp_path, monkeypatch) -> None:
     _fit(tmp_path, "train.steps=2", "checkpoint.every_steps=1")
 
