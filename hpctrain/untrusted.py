@@ -16,7 +16,7 @@ checks each before anything of the dataset is read.
 A lone surrogate ("\\ud800" escaped in JSON) parses into a Python str that cannot be encoded again: it would fail
 later, far from the file, as a traceback. JSON nested deeper than the interpreter's recursion limit raises
 RecursionError inside json; nesting is bounded far below that. Imports nothing of hpctrain and no torch.
-Tests: pytest tests/pure/test_untrusted.py
+Tests: pytest tests/pure/test_untrusted.py tests/pure/test_untrusted_hdf5.py
 """
 from __future__ import annotations
 

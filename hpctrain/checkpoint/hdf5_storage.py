@@ -128,8 +128,14 @@ def read_checkpoint_json(path: Path, limit: int, missing: str = "missing") -> An
         raise CheckpointCorrupt(path, None, missing)
     try:
         return parse_json(read_bytes(path, limit), repr(str(path)))
-    except Untrusted as e:  # its message names the file first: the reason is the rest
-        raise CheckpointCorrupt(path, None, str(e).removeprefix(repr(str(path))).lstrip(": ")) from None
+    except Untrusted as e:
+        raise untrusted_corrupt(path, e) from None
+
+
+def untrusted_corrupt(path: Path, e: Untrusted) -> CheckpointCorrupt:
+    """An Untrusted refusal of a checkpoint's file as CheckpointCorrupt (its message names the file first: the
+    reason is the rest)."""
+    return CheckpointCorrupt(path, None, str(e).removeprefix(repr(str(path))).lstrip(": "))
 
 
 class HDF5Writer(StorageWriter):

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpctrain.checkpoint.hdf5_storage import untrusted_corrupt
 from hpctrain.checkpoint.hf_import import (
     _MAX_TOKENIZER_BYTES,
     INDEX_NAME,
@@ -49,7 +50,6 @@ from hpctrain.checkpoint.hf_import import (
 )
 from hpctrain.checkpoint.inspection import (
     MODEL_PREFIX,
-    CheckpointCorrupt,
     ModelTensors,
     full_tensor_reader,
     model_tensors,
@@ -223,7 +223,7 @@ def export_hf(ckpt: Path, out: Path, dtype: str | None = None, max_shard_bytes: 
             try:
                 (tmp / n).write_bytes(read_bytes(ckpt / n, _MAX_TOKENIZER_BYTES))
             except Untrusted as e:
-                raise CheckpointCorrupt(ckpt / n, None, str(e)) from None
+                raise untrusted_corrupt(ckpt / n, e) from None
         for f in tmp.iterdir():
             fsync_path(f)
         fsync_path(tmp)

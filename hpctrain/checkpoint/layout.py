@@ -34,6 +34,7 @@ from hpctrain.checkpoint.hdf5_storage import (
     plain_directory,
     read_checkpoint_json,
     read_stored,
+    untrusted_corrupt,
 )
 from hpctrain.checkpoint.index import SHARD_NAME, Stored
 from hpctrain.checkpoint.state import rng_table_bytes
@@ -45,6 +46,7 @@ UNUSABLE = "UNUSABLE.txt"
 MARKER_VERSION = 2  # 2: marker carries seq and the crc32 of train_state.json and index.json
 _NAME = re.compile(r"step_(\d{8,})(\.partial|\.old|\.unusable(?:-\d+)?)?")
 MAX_JSON_BYTES = 64 << 20  # a marker or train_state.json larger than this is damage
+_SMALL_TABLE = 64 << 20  # an RNG table this small (13,000 ranks) is allocated without looking at the shards
 
 
 def step_name(step: int) -> str:
@@ -106,7 +108,7 @@ def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         try:
             got = file_crc(ckpt / name)
         except Untrusted as e:
-            raise CheckpointCorrupt(ckpt / name, None, str(e)) from None
+            raise untrusted_corrupt(ckpt / name, e) from None
         if got != marker["files"][name]:
             raise CheckpointCorrupt(ckpt / name, None, f"crc32 {got:#010x}, committed as {marker['files'][name]:#010x}")
     extra = read_json(ckpt / EXTRA)
@@ -116,9 +118,10 @@ def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     world = extra.get("world_size")
     if type(world) is int:
         # a load allocates the saved world's RNG table before it reads a byte (state.rng_table): a number read
-        # sizes nothing larger than the shard files that must hold that table
+        # sizes nothing larger than the shard files that must hold that table (beyond a size harmless anywhere,
+        # so a missing or linked shard is reported by the data check, which names it)
         need, held = rng_table_bytes(world), _shard_bytes(ckpt)
-        if need > held:
+        if need > max(held, _SMALL_TABLE):
             raise CheckpointCorrupt(ckpt / EXTRA, None, f"world_size {world} needs an RNG table of {need} bytes; "
                                                         f"the shard files hold {held}")
     return marker, extra
