@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from hpctrain.fsutil import write_atomic
-from hpctrain.untrusted import read_json
+from hpctrain.untrusted import HDF5_BUILTIN_FILTERS, hdf5_dataset, read_json
 
 # A sidecar or an id cache is a few hundred bytes of JSON: anything much larger is not one.
 _MAX_SIDECAR_BYTES = 1 << 20
@@ -244,9 +244,7 @@ class HDF5Source(_PerProcess, TokenSource):
         self.path = Path(path)
         self.name = str(self.path)
         with h5py.File(self.path, "r") as f:  # closed again: the real handle is opened per process
-            dset = f.get("tokens")
-            if not isinstance(dset, h5py.Dataset):
-                raise ValueError(f"{self.name!r} has no dataset 'tokens' (it holds {sorted(f.keys())})")
+            dset = self._tokens(f)
             if dset.ndim != 1:
                 raise ValueError(f"{self.name!r}: 'tokens' has shape {dset.shape}; tokens must be 1-d")
             self.num_tokens = int(dset.shape[0])
@@ -254,8 +252,18 @@ class HDF5Source(_PerProcess, TokenSource):
             self._check_ids(dset, recorded)
             self.record = _record(dict(dset.attrs), self.name)
 
-    def _open(self) -> h5py.File:
-        return h5py.File(self.path, "r")  # kept open: one handle per process for its whole life
+    def _tokens(self, f: h5py.File) -> h5py.Dataset:
+        """Dataset "tokens", checked to hold its bytes in this file before any is read (no soft or external link,
+        no external raw storage, not virtual, no filter plugin): ValueError naming the file otherwise."""
+        try:
+            return h5py.Dataset(hdf5_dataset(f, "/tokens", repr(self.name), HDF5_BUILTIN_FILTERS))
+        except KeyError:
+            raise ValueError(f"{self.name!r} has no dataset 'tokens' (it holds {sorted(f.keys())})") from None
+
+    def _open(self) -> h5py.Dataset:
+        # kept open (the dataset keeps its file open): one handle per process for its whole life, checked again
+        # since the file may have been replaced after __init__ looked at it
+        return self._tokens(h5py.File(self.path, "r"))
 
     def read(self, start: int, count: int) -> np.ndarray:
-        return np.asarray(self._get()["tokens"][start:start + count], dtype=np.int64)
+        return np.asarray(self._get()[start:start + count], dtype=np.int64)

@@ -19,10 +19,6 @@ except ImportError:  # platforms without a zlib-ng wheel: identical values, only
 # 0: contiguous datasets. Side by side here (2 ranks, 0.99 GB, fsync), contiguous wrote at 0.84-0.90 of a raw
 # file write and 4 MiB chunks at 0.58-0.61; 64 MiB and 1 GiB chunks were slower still.
 CHUNK_BYTES = 0
-# Metadata aggregated into 1 MiB blocks instead of scattered small writes; datasets of 64 KiB or more start on a
-# 4 KiB boundary; the HDF5 1.10 format (readable by HDF5 1.10 and later), the newest the library offers above it.
-FILE_OPTIONS = {"libver": ("v110", "latest"), "meta_block_size": 1 << 20, "alignment_threshold": 65536,
-                "alignment_interval": 4096}
 # One writer per file and no reader before the commit, so HDF5's file locks guard nothing here; they also fail on
 # Lustre or NFS mounts without flock ("unable to lock file").
 LOCKING = False
@@ -62,6 +58,29 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tupl
     return tuple(chunk)
 
 
+def create_file(path: Path) -> h5py.File:
+    """A new shard file (replacing any of that name), open for writing. Metadata is aggregated into 1 MiB blocks
+    instead of scattered small writes; datasets of 64 KiB or more start on a 4 KiB boundary; the HDF5 1.10 format
+    (readable by HDF5 1.10 and later), the newest the library offers above it; no timestamps.
+
+    Raw data is not buffered: with HDF5's sieve buffer (64 KiB) and chunk cache (1 MiB) a small write waits in
+    memory until its dataset is closed, so a write that fails (ENOSPC on a full disk) fails the close instead.
+    HDF5 leaves such a dataset half torn down, and releasing it again -- h5py on garbage collection, HDF5 itself
+    at process exit -- crashed the process with SIGSEGV. Unbuffered, each write reaches the file inside H5Dwrite,
+    which raises a plain OSError; the writer writes each dataset once, whole, so the buffers saved nothing."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_V110, h5py.h5f.LIBVER_LATEST)
+    fapl.set_meta_block_size(1 << 20)
+    fapl.set_alignment(65536, 4096)
+    fapl.set_file_locking(LOCKING, False)
+    fapl.set_sieve_buf_size(0)
+    mdc_nelmts, _, _, _ = fapl.get_cache()
+    fapl.set_cache(mdc_nelmts, 0, 0, 1.0)  # no chunk cache: chunks reach the file inside H5Dwrite too
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_obj_track_times(False)
+    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
+
+
 class DatasetMaker:
     """Creates datasets and their attributes through h5py's low-level API, with the property lists made once per
     file. For 243 small datasets with 2 attributes each this took 44 ms where h5py's high-level create_dataset and
@@ -81,8 +100,12 @@ class DatasetMaker:
     def _dcpl(chunks: tuple[int, ...] | None):
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_obj_track_times(False)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every element is written at once
-        if chunks is not None:
+        if chunks is None:
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # every element is written at once
+        else:
+            # FILL_TIME_IFSET writes no fill either (no fill value is set). With NEVER, HDF5 2.0 without a chunk
+            # cache (create_file) left datasets of one chunk unwritten: they read back as zeros
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_IFSET)
             dcpl.set_chunk(chunks)
         return dcpl
 
@@ -149,7 +172,7 @@ def prefetch(path: Path, ranges: list[tuple[int, int]]) -> None:
     if not hasattr(os, "posix_fadvise"):
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused by the read itself: no hint for it
     except OSError:
         return
     try:

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import pickle
+import stat
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -59,12 +60,12 @@ from torch.futures import Future
 
 from hpctrain.checkpoint.h5file import (
     CHUNK_BYTES,
-    FILE_OPTIONS,
     LOCKING,
     DatasetMaker,
     byte_ranges,
     chunk_shape,
     crc32,
+    create_file,
     from_numpy,
     fsync,
     merge_ranges,
@@ -85,10 +86,13 @@ from hpctrain.checkpoint.index import (
     json_encode,
 )
 from hpctrain.fsutil import write_atomic
+from hpctrain.untrusted import ForeignData, Untrusted, hdf5_dataset, parse_json, read_bytes
 
 DCP_VERSION = "1.0.0"  # what torch's own FileSystemWriter stamps on Metadata.version
 VERIFY_MODES = ("full", "sampled", "none")
 SAMPLE_FRACTION = 1 / 8  # share of datasets verify="sampled" checks
+# an index.json larger than this is damage: ~200 bytes a stored item, so a million shards of a large job fit
+MAX_INDEX_BYTES = 1 << 30
 class CheckpointCorrupt(Exception):
     """A checkpoint's index, file or dataset is missing, truncated, unreadable or fails its checksum."""
 
@@ -99,6 +103,39 @@ class CheckpointCorrupt(Exception):
     def __str__(self) -> str:
         where = self.path if self.dataset is None else f"{self.path} dataset {self.dataset}"
         return f"corrupt checkpoint: {where}: {self.reason}"
+
+
+def plain_directory(path: Path) -> None:
+    """Raises CheckpointCorrupt unless `path` is a directory and not a symbolic link: a checkpoint is read from a
+    directory of its own, never through a link to somewhere else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(path, None, "missing") from None
+    except OSError as e:
+        raise CheckpointCorrupt(path, None, f"unreadable ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointCorrupt(path, None, "a symbolic link: a checkpoint is read from its own directory, never "
+                                            "through a link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointCorrupt(path, None, "not a directory")
+
+
+def read_checkpoint_json(path: Path, limit: int, missing: str = "missing") -> Any:
+    """A checkpoint's JSON file through hpctrain.untrusted (a regular file, no link, at most `limit` bytes, nested
+    at most MAX_DEPTH deep); CheckpointCorrupt naming the file otherwise (reason `missing` when it is absent)."""
+    if not os.path.lexists(path):
+        raise CheckpointCorrupt(path, None, missing)
+    try:
+        return parse_json(read_bytes(path, limit), repr(str(path)))
+    except Untrusted as e:
+        raise untrusted_corrupt(path, e) from None
+
+
+def untrusted_corrupt(path: Path, e: Untrusted) -> CheckpointCorrupt:
+    """An Untrusted refusal of a checkpoint's file as CheckpointCorrupt (its message names the file first: the
+    reason is the rest)."""
+    return CheckpointCorrupt(path, None, str(e).removeprefix(repr(str(path))).lstrip(": "))
 
 
 class HDF5Writer(StorageWriter):
@@ -138,11 +175,14 @@ class HDF5Writer(StorageWriter):
 
     def _write_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Writes every item, each dataset with its crc32 computed in line (zlib-ng's vectorised crc32, small beside
-        the write itself), then closes the file and flushes it once."""
+        the write itself), then closes the file and flushes it once. A failed write (a full disk) raises its own
+        error: every dataset is closed as soon as it is written and the metadata flushed before the file is
+        closed, so no HDF5 close is left to fail (see h5file.create_file)."""
         name = plan.storage_data
         path = self.path / name
         stored = []
-        with h5py.File(path, "w", locking=LOCKING, **FILE_OPTIONS) as f:
+        f = create_file(path)
+        try:
             make = DatasetMaker(f)
             for item in plan.items:
                 data = planner.resolve_data(item)  # resolved one at a time: it may allocate (device -> host)
@@ -162,8 +202,17 @@ class HDF5Writer(StorageWriter):
                     crc = crc32(arr)
                     make.uint32_attr(dsid, "crc32", crc)
                 offset = dsid.get_offset() if chunks is None else None  # None too when nothing was stored
+                dsid.close()
                 stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc, file_offset=offset,
                                                   shape=tuple(arr.shape))))
+            f.flush()
+        except BaseException:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 -- the file is abandoned, never committed; the write's error is the one
+                pass
+            raise
+        f.close()
         fsync(path)
         size = path.stat().st_size
         return [WriteResult(index=index, size_in_bytes=s.nbytes, storage_data=dataclasses.replace(s, file_bytes=size))
@@ -206,14 +255,8 @@ class HDF5Reader(StorageReader):
     # No **kwargs: DCP would then fall back to per-rank metadata files, which this format never writes.
     def read_metadata(self) -> Metadata:
         index = self.path / INDEX
-        try:
-            doc = json.loads(index.read_text(encoding="ascii"))
-        except FileNotFoundError:
-            raise CheckpointCorrupt(index, None, "missing: the save never finished") from None
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise CheckpointCorrupt(index, None, f"not ASCII JSON ({e})") from e
-        except OSError as e:
-            raise CheckpointCorrupt(index, None, f"unreadable ({e})") from e
+        plain_directory(self.path)
+        doc = read_checkpoint_json(index, MAX_INDEX_BYTES, missing="missing: the save never finished")
         if not isinstance(doc, dict) or (doc.get("format"), doc.get("format_version")) != (FORMAT, FORMAT_VERSION):
             got = (doc.get("format"), doc.get("format_version")) if isinstance(doc, dict) else type(doc).__name__
             raise CheckpointCorrupt(index, None, f"format {got}, this reader reads {FORMAT!r} version {FORMAT_VERSION}")
@@ -285,18 +328,35 @@ class HDF5Reader(StorageReader):
 
     def open_file(self, name: str, file_bytes: int) -> h5py.File:
         """The checkpoint's file `name` (relative to the checkpoint directory), opened read-only; the caller closes
-        it. Raises CheckpointCorrupt when it is missing, its size is not file_bytes (index.json's record), or it is
-        not a readable HDF5 file."""
+        it. Raises CheckpointCorrupt when the checkpoint directory or the file is a symbolic link, the file is
+        missing or not a regular file, its size is not file_bytes (index.json's record), or it is not a readable
+        HDF5 file."""
+        plain_directory(self.path)
         path = self.path / name
-        if not path.is_file():
-            raise CheckpointCorrupt(path, None, "missing")
-        size = path.stat().st_size
-        if size != file_bytes:
-            raise CheckpointCorrupt(path, None, f"{size} bytes, index.json says {file_bytes}: truncated or overwritten")
         try:
-            return h5py.File(path, "r", locking=LOCKING)
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(path, None, "missing") from None
+        except OSError as e:
+            raise CheckpointCorrupt(path, None, f"unreadable ({e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointCorrupt(path, None, "a symbolic link: a checkpoint's files are read from its own "
+                                                "directory, never through a link")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorrupt(path, None, "not a regular file")
+        if st.st_size != file_bytes:
+            raise CheckpointCorrupt(path, None, f"{st.st_size} bytes, index.json says {file_bytes}: truncated or "
+                                                f"overwritten")
+        try:
+            f = h5py.File(path, "r", locking=LOCKING)
         except OSError as e:
             raise CheckpointCorrupt(path, None, f"not a readable HDF5 file ({e})") from e
+        # HDF5 opens by name: the file it opened must be the one looked at above, not a link put there since
+        opened = os.fstat(f.id.get_vfd_handle())
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            f.close()
+            raise CheckpointCorrupt(path, None, "replaced while it was opened")
+        return f
 
     def _read_dataset(self, dsid: h5py.h5d.DatasetID, stored: Stored, reqs: list, planner: LoadPlanner) -> None:
         where = (self.path / stored.file, stored.dataset)
@@ -347,14 +407,16 @@ def _fits(target: torch.Tensor, shape: tuple[int, ...], dtype: str) -> bool:
 
 def open_stored(f: h5py.File, ckpt: Path, stored: Stored) -> h5py.h5d.DatasetID:
     """The stored dataset, opened through h5py's low-level API (a third of the high-level lookup's cost), checked
-    to hold the bytes index.json says it does."""
+    to hold its bytes in its own file (hard links only on its path, contiguous or chunked, no external storage, no
+    filter: untrusted.hdf5_dataset) and to hold the bytes index.json says it does. Every reader of a checkpoint's
+    datasets opens them here, before reading any of their bytes."""
     where = (ckpt / stored.file, stored.dataset)
     try:
-        dsid = h5py.h5d.open(f.id, stored.dataset.encode())
+        dsid = hdf5_dataset(f, stored.dataset, str(where[0]))
     except KeyError:
         raise CheckpointCorrupt(*where, "missing from the file") from None
-    except (OSError, RuntimeError, ValueError) as e:  # a damaged object header, or a group where a dataset was
-        raise CheckpointCorrupt(*where, f"not a readable dataset ({e})") from e
+    except ForeignData as e:
+        raise CheckpointCorrupt(*where, e.reason) from None
     nbytes = math.prod(dsid.shape) * dsid.dtype.itemsize
     if nbytes != stored.nbytes:
         raise CheckpointCorrupt(*where, f"{nbytes} bytes, index.json says {stored.nbytes}")

@@ -39,7 +39,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpctrain.checkpoint.hf_import import INDEX_NAME, SINGLE, TOKENIZER_FILES, VOCAB_ROWS, hf_name
+from hpctrain.checkpoint.hdf5_storage import untrusted_corrupt
+from hpctrain.checkpoint.hf_import import (
+    _MAX_TOKENIZER_BYTES,
+    INDEX_NAME,
+    SINGLE,
+    TOKENIZER_FILES,
+    VOCAB_ROWS,
+    hf_name,
+)
 from hpctrain.checkpoint.inspection import (
     MODEL_PREFIX,
     ModelTensors,
@@ -53,6 +61,7 @@ from hpctrain.checkpoint.layout import read_committed
 from hpctrain.config import from_dict
 from hpctrain.dims import ModelDims
 from hpctrain.fsutil import fsync_path
+from hpctrain.untrusted import Untrusted, read_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -210,8 +219,11 @@ def export_hf(ckpt: Path, out: Path, dtype: str | None = None, max_shard_bytes: 
                      "weight_map": {it.name: name for name, shard in zip(names, shards) for it in shard}}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config(dims, _hf_dtype(dtype)), indent=2) + "\n")
-        for n in tokenizer:
-            shutil.copyfile(ckpt / n, tmp / n)
+        for n in tokenizer:  # read without following a link, bounded as the run recorded them
+            try:
+                (tmp / n).write_bytes(read_bytes(ckpt / n, _MAX_TOKENIZER_BYTES))
+            except Untrusted as e:
+                raise untrusted_corrupt(ckpt / n, e) from None
         for f in tmp.iterdir():
             fsync_path(f)
         fsync_path(tmp)

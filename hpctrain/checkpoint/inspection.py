@@ -35,9 +35,10 @@ from hpctrain.checkpoint.hdf5_storage import (
     open_stored,
     read_stored,
 )
-from hpctrain.checkpoint.layout import EXTRA, MARKER, Verdict, parse_name, read_committed, verify_data
+from hpctrain.checkpoint.layout import EXTRA, MARKER, MAX_JSON_BYTES, Verdict, parse_name, read_committed, verify_data
 from hpctrain.checkpoint.manager import committed
 from hpctrain.fsutil import replacing
+from hpctrain.untrusted import Untrusted, read_json
 
 STATUS = {"": "committed", ".partial": "partial", ".old": "replaced"}  # by name suffix; else "unusable"
 MODEL_PREFIX = "model."  # the model's entries in a training checkpoint (train.py's state: model, optimizer, rng)
@@ -58,10 +59,10 @@ def human_bytes(n: float) -> str:
 
 
 def _json_or_none(path: Path) -> dict | None:
-    """A JSON object, for display only: None when missing, unreadable, malformed or not an object."""
+    """A JSON object, for display only: None when missing, a link, huge, too deep, malformed or not an object."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        doc = read_json(path, MAX_JSON_BYTES)
+    except Untrusted:
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -220,7 +221,9 @@ def verify(ckpt: Path, mode: str = "full") -> Verdict:
         read_committed(ckpt)
     except CheckpointCorrupt as e:
         v.problems.append(str(e))
-    return verify_data(ckpt, mode, v=v)
+    v = verify_data(ckpt, mode, v=v)
+    v.problems = list(dict.fromkeys(v.problems))  # a directory refused is refused by both checks: said once
+    return v
 
 
 def format_verdict(ckpt: Path, v: Verdict) -> str:

@@ -1,10 +1,12 @@
 """A checkpoint directory on disk, and the checks that decide whether one may be loaded. Nothing read here is
-trusted: every file is parsed as JSON or HDF5 (never unpickled), sizes, shapes, dtypes and checksums are compared
-with what the commit recorded, and every problem is a CheckpointCorrupt naming the file.
+trusted: every file is parsed as JSON or HDF5 (never unpickled) and read from the directory itself (no symbolic
+links; HDF5 datasets only from their own file: hdf5_storage.open_stored), sizes, shapes, dtypes and checksums are
+compared with what the commit recorded, and every problem is a CheckpointCorrupt naming the file.
 
     <checkpoints>/step_00000042/            one committed checkpoint (8 or more digits, no extra leading zeros)
         shard-<rank>.h5, index.json         hdf5_storage.py
-        train_state.json                    the trainer's small control state (JSON)
+        train_state.json                    the trainer's small control state (JSON); its world_size sizes the
+                                            RNG table a load allocates, so it may not exceed what the shards hold
         COMMITTED                           written last: {"step", "seq", "files": {name: crc32}, provenance...}
     step_00000042.partial/                  a save in flight, or one that was killed: never counts
     step_00000042.old/                      a checkpoint being replaced by a new save of its step
@@ -14,7 +16,7 @@ with what the commit recorded, and every problem is a CheckpointCorrupt naming t
 """
 from __future__ import annotations
 
-import json
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,15 +24,29 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint.h5file import crc32
-from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, check_crc32, open_stored, read_stored
-from hpctrain.checkpoint.index import Stored
+from hpctrain.checkpoint.hdf5_storage import (
+    INDEX,
+    MAX_INDEX_BYTES,
+    CheckpointCorrupt,
+    HDF5Reader,
+    check_crc32,
+    open_stored,
+    plain_directory,
+    read_checkpoint_json,
+    read_stored,
+    untrusted_corrupt,
+)
+from hpctrain.checkpoint.index import SHARD_NAME, Stored
+from hpctrain.checkpoint.state import rng_table_bytes
+from hpctrain.untrusted import Untrusted, read_bytes
 
 MARKER = "COMMITTED"
 EXTRA = "train_state.json"
 UNUSABLE = "UNUSABLE.txt"
 MARKER_VERSION = 2  # 2: marker carries seq and the crc32 of train_state.json and index.json
 _NAME = re.compile(r"step_(\d{8,})(\.partial|\.old|\.unusable(?:-\d+)?)?")
-_MAX_JSON = 64 << 20  # a marker or train_state.json larger than this is damage
+MAX_JSON_BYTES = 64 << 20  # a marker or train_state.json larger than this is damage
+_SMALL_TABLE = 64 << 20  # an RNG table this small (13,000 ranks) is allocated without looking at the shards
 
 
 def step_name(step: int) -> str:
@@ -47,25 +63,21 @@ def parse_name(name: str) -> tuple[int, str] | None:
 
 
 def file_crc(path: Path) -> int:
+    """crc32 of a checkpoint's JSON file (a regular file, no link, index.json's size bound); Untrusted otherwise."""
     import numpy as np
-    return crc32(np.frombuffer(path.read_bytes(), dtype=np.uint8))
+    return crc32(np.frombuffer(read_bytes(path, MAX_INDEX_BYTES), dtype=np.uint8))
 
 
 def read_json(path: Path) -> Any:
-    """A small JSON file, as CheckpointCorrupt when missing, huge or malformed."""
-    try:
-        if path.stat().st_size > _MAX_JSON:
-            raise CheckpointCorrupt(path, None, f"{path.stat().st_size} bytes: too large for this file")
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointCorrupt(path, None, "missing") from None
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointCorrupt(path, None, f"unreadable or not JSON ({e})") from None
+    """A small JSON file of a checkpoint (through hpctrain.untrusted: no link, size and depth bound), as
+    CheckpointCorrupt when missing, a link, huge, too deep or malformed."""
+    return read_checkpoint_json(path, MAX_JSON_BYTES)
 
 
 def read_marker(ckpt: Path) -> dict[str, Any]:
     """The COMMITTED marker, checked: its step matches the directory's, seq and checksums are present."""
     path = ckpt / MARKER
+    plain_directory(ckpt)  # what a link would lead to is no checkpoint of this directory
     marker = read_json(path)
     parsed = parse_name(ckpt.name)
     if not isinstance(marker, dict):
@@ -95,15 +107,34 @@ def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     for name in (EXTRA, INDEX):
         try:
             got = file_crc(ckpt / name)
-        except OSError as e:
-            raise CheckpointCorrupt(ckpt / name, None, f"unreadable ({e})") from None
+        except Untrusted as e:
+            raise untrusted_corrupt(ckpt / name, e) from None
         if got != marker["files"][name]:
             raise CheckpointCorrupt(ckpt / name, None, f"crc32 {got:#010x}, committed as {marker['files'][name]:#010x}")
     extra = read_json(ckpt / EXTRA)
     if not isinstance(extra, dict) or extra.get("step") != marker["step"]:
         raise CheckpointCorrupt(ckpt / EXTRA, None, f"step {extra.get('step') if isinstance(extra, dict) else extra!r}"
                                                     f", the marker says {marker['step']}")
+    world = extra.get("world_size")
+    if type(world) is int:
+        # a load allocates the saved world's RNG table before it reads a byte (state.rng_table): a number read
+        # sizes nothing larger than the shard files that must hold that table (beyond a size harmless anywhere,
+        # so a missing or linked shard is reported by the data check, which names it)
+        need, held = rng_table_bytes(world), _shard_bytes(ckpt)
+        if need > max(held, _SMALL_TABLE):
+            raise CheckpointCorrupt(ckpt / EXTRA, None, f"world_size {world} needs an RNG table of {need} bytes; "
+                                                        f"the shard files hold {held}")
     return marker, extra
+
+
+def _shard_bytes(ckpt: Path) -> int:
+    """Bytes of the regular files named shard-<rank>.h5 in the checkpoint directory (links not followed)."""
+    total = 0
+    with os.scandir(ckpt) as entries:
+        for e in entries:
+            if SHARD_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    return total
 
 
 @dataclass

@@ -97,6 +97,11 @@ def rng_table(world: int) -> torch.Tensor:
     return table
 
 
+def rng_table_bytes(world: int) -> int:
+    """Bytes of rng_table(world): what a load allocates for a checkpoint saved by `world` ranks."""
+    return world * torch.get_rng_state().numel()
+
+
 def restore_rng(table: torch.Tensor, rank: int) -> bool:
     """This rank's saved RNG state when the saved world had this rank; False otherwise (left as seeded)."""
     if rank >= table.shape[0]:

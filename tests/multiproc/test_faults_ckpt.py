@@ -304,6 +304,27 @@ def test_train_state_schema_even_when_resealed(tmp_path) -> None:
            "falls back", tier="checkpoint")
 
 
+def test_train_state_world_size_sizes_nothing_before_refusal(tmp_path, monkeypatch) -> None:
+    from hpctrain.checkpoint.checkpointer import Checkpointer
+    _fit(tmp_path, "train.steps=2", "checkpoint.every_steps=1")
+    ck = tmp_path / "ck" / "step_00000002"
+    extra = json.loads((ck / "train_state.json").read_text())
+    extra["world_size"] = 1 << 20  # within the schema's bound: a 5.3 GB RNG table for a 1-rank checkpoint
+    (ck / "train_state.json").write_text(json.dumps(extra))
+    _reseal(ck)
+    real = Checkpointer._tensors
+
+    def no_table_of_the_crafted_size(self, saved_world=None):  # the state a load fills, RNG table included
+        assert saved_world in (None, 1), f"an RNG table of {saved_world} rows was allocated before the refusal"
+        return real(self, saved_world)
+    monkeypatch.setattr(Checkpointer, "_tensors", no_table_of_the_crafted_size)
+    assert _fit(tmp_path, "train.steps=3")["resumed_from"] == 1
+    why = (tmp_path / "ck" / "step_00000002.unusable" / "UNUSABLE.txt").read_text()
+    assert "world_size 1048576 needs an RNG table of 5301600256 bytes" in why, why
+    record("train_state.json with world_size 2^20 (a 5.3 GB RNG table), checksum re-sealed", "refused before "
+           "anything sized by it is allocated; falls back to the previous checkpoint", tier="checkpoint")
+
+
 def test_failure_after_data_reached_live_state_is_fatal(tmp_path, monkeypatch) -> None:
     _fit(tmp_path, "train.steps=2", "checkpoint.every_steps=1")
 
@@ -414,3 +435,70 @@ def test_damage_already_handled_falls_back(tmp_path, fault, monkeypatch) -> None
     assert _fit(tmp_path, "train.steps=3")["resumed_from"] == 1
     record(f"{fault} in the newest checkpoint", "refused before loading; falls back to the previous checkpoint, "
            "which is kept", tier="checkpoint")
+
+
+
+# A job whose checkpoint write fails half way, in a process of its own: how that process ends is the point (HDF5
+# crashing in its clean-up ends it with SIGSEGV instead of the write's error). argv: the config's --set items.
+FAILING_SAVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from collections import namedtuple
+from helpers import SMALL
+from hpctrain import session
+from hpctrain.checkpoint import manager
+from hpctrain.config import load_config
+from hpctrain.train import Trainer
+if {fake_free}:  # the free-space check passes: another job fills the disk after it
+    manager.shutil.disk_usage = lambda p: namedtuple("usage", "total used free")(1 << 40, 0, 1 << 40)
+cfg = load_config(None, SMALL + sys.argv[1:])
+with session.start(cfg) as s:
+    Trainer(cfg, s).fit()
+"""
+
+
+def _file_size_limit() -> None:
+    """In the child before exec: EFBIG past 200 KB on every file it writes, half way through its shard."""
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the signal killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200 << 10, 200 << 10))
+
+
+@pytest.mark.parametrize("limit", ["file size limit", "file size limit, chunked", "full tmpfs"])
+def test_failed_shard_write_ends_with_its_error(tmp_path, limit, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    from helpers import TESTS
+    ck = tmp_path / "ck"
+    if limit == "full tmpfs":  # ENOSPC: a file system smaller than two checkpoints (mounting needs root)
+        ck.mkdir()
+        mount = ["mount", "-t", "tmpfs", "-o", "size=800k", "tmpfs", str(ck)]  # 700k-900k crashed every time
+        if subprocess.run(mount, capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (not root?)")
+        # one checkpoint (0.6 MB) fits and the next does not; the manager's estimate (1 MiB margin) would refuse both
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(mgr_mod.shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    try:
+        _fit(tmp_path, "train.steps=1")
+        child = FAILING_SAVE.format(tests=str(TESTS), fake_free=limit == "full tmpfs")
+        sets = [f"job.run_root={tmp_path / 'runs'}", f"checkpoint.dir={ck}", "train.steps=2"]
+        if limit.endswith("chunked"):  # 8 KB chunks: the writes went through HDF5's chunk cache
+            sets.append("checkpoint.chunk_mb=0.008")
+        error = "No space left on device" if limit == "full tmpfs" else "File too large"
+        for _ in range(3):  # before the fix every one of these crashed
+            out = subprocess.run([sys.executable, "-c", child, *sets], capture_output=True, text=True, timeout=300,
+                                 preexec_fn=None if limit == "full tmpfs" else _file_size_limit)
+            assert out.returncode == 1 and error in out.stderr, f"exit {out.returncode}: {out.stderr[-3000:]}"
+            assert "Can't decrement id ref count" not in out.stderr, out.stderr[-3000:]
+            assert _steps(ck) == [1]
+        assert _fit(tmp_path, "train.steps=1")["resumed_from"] == 1  # and the partial save is cleared away
+        assert not (ck / "step_00000002.partial").exists()
+    finally:
+        if limit == "full tmpfs":
+            subprocess.run(["umount", str(ck)], capture_output=True)
+    how = "ENOSPC, a full tmpfs" if limit == "full tmpfs" else f"EFBIG past RLIMIT_FSIZE{limit[15:]}"
+    record(f"a shard write fails half way through a save ({how}), three jobs in a row",
+           "each job ends with exit 1 and the write's error, never SIGSEGV; nothing committed; the next job resumes "
+           "from the previous checkpoint", tier="checkpoint")
