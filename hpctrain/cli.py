@@ -210,7 +210,8 @@ def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check
         path = _submit(cfg, wait, argv=lambda cfg_path, rdir: ["bench", *args, "--config", str(cfg_path),
                                                                 "--run-dir", str(rdir)])
         if wait and (path / "bench.txt").exists():
-            click.echo((path / "bench.txt").read_text(), nl=False)
+            from hpctrain.untrusted import read_bytes
+            click.echo(read_bytes(path / "bench.txt", 16 << 20).decode("utf-8", "replace"), nl=False)
         return None
     from hpctrain import benchjob
 

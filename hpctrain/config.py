@@ -232,7 +232,7 @@ def _parse_override(text: str) -> tuple[str, str, object]:
         raise ValueError(f"--set {text!r} must look like section.key=value")
     try:
         value = tomllib.loads(f"v = {rhs.strip()}")["v"]
-    except ValueError:  # TOMLDecodeError, or an integer past Python's 4300-digit limit
+    except (ValueError, RecursionError):  # TOMLDecodeError, an integer past 4300 digits, arrays nested too deep
         value = rhs.strip()
     return section, key.strip(), value
 
@@ -262,12 +262,19 @@ def from_dict(raw: dict[str, typing.Any]) -> Config:
     return Config(**sections)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file (and the config.toml of a run directory) is a few KB
+
+
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Reads a TOML file (or starts from defaults when path is None), applies overrides, validates."""
     raw: dict[str, typing.Any] = {}
     if path is not None:
         path = Path(path)
         try:
+            size = path.stat().st_size
+            if size > MAX_CONFIG_BYTES:
+                raise ValueError(f"config file {str(path)!r} is {size} bytes: a config is a few KB (at most "
+                                 f"{MAX_CONFIG_BYTES})")
             data = path.read_bytes()
         except OSError as e:
             raise ValueError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
@@ -281,6 +288,8 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
             raw = tomllib.loads(text)
         except ValueError as e:  # TOMLDecodeError (its message gives line and column), or a 4300-digit integer
             raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        except RecursionError:  # tomllib parses nested arrays and tables recursively
+            raise ValueError(f"config file {str(path)!r} nests arrays or tables too deeply") from None
     for text in overrides:
         section, key, value = _parse_override(text)
         if section not in SECTIONS:

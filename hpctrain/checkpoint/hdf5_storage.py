@@ -446,8 +446,8 @@ def from_json(raw: bytes, where: tuple[Path, str]) -> io.BytesIO:
     """A stored JSON value, as the torch.save bytes DCP's load planners read: made here from the parsed JSON
     (plain values only), so nothing that came from the file is ever unpickled."""
     try:
-        value = json_decode(json.loads(raw.decode("utf-8")))
-    except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        value = json_decode(parse_json(raw, "the stored value"))  # depth bounded, no lone surrogate
+    except (ValueError, TypeError, RecursionError) as e:  # Untrusted is a ValueError
         raise CheckpointCorrupt(*where, f"not a JSON value ({e}); refused unread") from None
     buf = io.BytesIO()
     torch.save(value, buf)

@@ -147,6 +147,18 @@ def test_unreadable_config_files_name_the_path(tmp_path, monkeypatch):
            "ValueError naming the path (and the line)", tier="pure")
 
 
+def test_deeply_nested_or_huge_config_is_refused(tmp_path):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[job]\nname = " + "[" * 5000 + '"x"' + "]" * 5000 + "\n")
+    refused(load_config, deep, fragments=[str(deep), "nests arrays or tables too deeply"])
+    refused(load_config, None, ["job.name=" + "[" * 5000 + "1" + "]" * 5000], fragments=["job.name"])
+    huge = tmp_path / "huge.toml"
+    huge.write_bytes(b"# " + b"x" * (2 << 20) + b"\n")
+    refused(load_config, huge, fragments=[str(huge), "bytes"])
+    record("config file (or --set value) of arrays nested 5000 deep; a 2 MiB config file", "ValueError naming the "
+           "file or key (RecursionError out of tomllib before)", tier="pure")
+
+
 # --- 6. run_root that cannot hold run directories ---------------------------------------------------------
 
 def test_run_root_that_is_or_is_under_a_file(tmp_path):

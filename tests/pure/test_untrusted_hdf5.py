@@ -90,3 +90,14 @@ def test_token_file_reading_outside_is_refused(tmp_path, kind) -> None:
     assert len(src) == 300 and src.read(298, 5).tolist() == [42, 43]
     record(f"HDF5 token file whose 'tokens' dataset reads another file ({kind})",
            "refused on opening with a ValueError naming the file and dataset", tier="pure")
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, '{"lr": "\\ud800"}'.encode(), b"\xff", b"{"])
+def test_a_stored_json_value_is_parsed_bounded(tmp_path, raw) -> None:
+    """A checkpoint's non-tensor value (JSON in a dataset, after its crc32 matched): deep nesting, a lone surrogate,
+    bad UTF-8 or bad JSON is CheckpointCorrupt naming the dataset, never a RecursionError or a string torch.save
+    and later code cannot encode."""
+    from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt, from_json
+
+    with pytest.raises(CheckpointCorrupt, match="optimizer.param_groups.lr"):
+        from_json(raw, (tmp_path / "shard-0.h5", "/optimizer.param_groups.lr/bytes"))
