@@ -78,13 +78,14 @@ def test_signal_during_the_imports(tmp_path, how, command, sig) -> None:
         (run,) = root.iterdir()
         train = json.loads((run / "summary.json").read_text())["train"]
         assert train["preempted"] and train["steps"] == 0, train
-        record(f"USR2 or TERM in a rank's first ~0.1 s, during the CLI's imports (`train`; {how} and console "
-               "script)", "kept as a preemption: no step trained, exit 0", tier="unit")
+        record("USR2 or TERM in a rank's first ~0.1 s, during the CLI's imports (`train`; python -m hpctrain.cli "
+               "and the console script)", "kept as a preemption: no step trained, exit 0", tier="unit")
     else:
         assert out.returncode == 128 + signal.Signals[sig], said
         assert not root.exists()  # ended before it made a run directory
-        record(f"USR2 or TERM in a process's first ~0.1 s, during the CLI's imports (doctor, ckpt ls; {how} and "
-               "console script)", "ends before the command runs, exit 128 + the signal, no traceback", tier="unit")
+        record("USR2 or TERM in a process's first ~0.1 s, during the CLI's imports (doctor, ckpt ls; python -m "
+               "hpctrain.cli and the console script)", "ends before the command runs, exit 128 + the signal, no "
+               "traceback", tier="unit")
 
 
 def _probe_open(pid: int, directory: Path) -> bool:
