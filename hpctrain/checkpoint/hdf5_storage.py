@@ -105,9 +105,9 @@ class CheckpointCorrupt(Exception):
         return f"corrupt checkpoint: {where}: {self.reason}"
 
 
-def plain_directory(path: Path) -> None:
-    """Raises CheckpointCorrupt unless `path` is a directory and not a symbolic link: a checkpoint is read from a
-    directory of its own, never through a link to somewhere else."""
+def plain(path: Path, directory: bool = False) -> os.stat_result:
+    """lstat of `path`, or CheckpointCorrupt unless it is a regular file (a directory with directory=True) and not
+    a symbolic link: a checkpoint is read from a directory of its own, never through a link to somewhere else."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -115,10 +115,16 @@ def plain_directory(path: Path) -> None:
     except OSError as e:
         raise CheckpointCorrupt(path, None, f"unreadable ({e.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
-        raise CheckpointCorrupt(path, None, "a symbolic link: a checkpoint is read from its own directory, never "
-                                            "through a link")
-    if not stat.S_ISDIR(st.st_mode):
-        raise CheckpointCorrupt(path, None, "not a directory")
+        raise CheckpointCorrupt(path, None, "a symbolic link: a checkpoint and its files are read from its own "
+                                            "directory, never through a link")
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(st.st_mode):
+        raise CheckpointCorrupt(path, None, "not a directory" if directory else "not a regular file")
+    return st
+
+
+def plain_directory(path: Path) -> None:
+    """CheckpointCorrupt unless `path` is a directory and not a symbolic link (plain)."""
+    plain(path, directory=True)
 
 
 def read_checkpoint_json(path: Path, limit: int, missing: str = "missing") -> Any:
@@ -333,17 +339,7 @@ class HDF5Reader(StorageReader):
         HDF5 file."""
         plain_directory(self.path)
         path = self.path / name
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise CheckpointCorrupt(path, None, "missing") from None
-        except OSError as e:
-            raise CheckpointCorrupt(path, None, f"unreadable ({e.strerror})") from None
-        if stat.S_ISLNK(st.st_mode):
-            raise CheckpointCorrupt(path, None, "a symbolic link: a checkpoint's files are read from its own "
-                                                "directory, never through a link")
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorrupt(path, None, "not a regular file")
+        st = plain(path)
         if st.st_size != file_bytes:
             raise CheckpointCorrupt(path, None, f"{st.st_size} bytes, index.json says {file_bytes}: truncated or "
                                                 f"overwritten")

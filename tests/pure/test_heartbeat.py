@@ -99,6 +99,15 @@ class _Ended(Exception):
     pass
 
 
+def _until_ended(ended: list[str], failure: str, limit_s: float = 20) -> float:
+    """Waits for the watchdog under test to end the job; the seconds it took."""
+    t0 = time.monotonic()
+    while not ended:
+        assert time.monotonic() - t0 < limit_s, failure
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int = 5):
     ended: list[str] = []
     monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
@@ -113,10 +122,7 @@ def test_watchdog_trips_on_a_stale_phase(tmp_path, monkeypatch) -> None:
     dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.5, long_s=30), "collective")
     dog.long_until(1)
     dog.on_end = lambda: "requeued job 77 without n9"  # the first rank to trip runs it (hangrequeue.after_hang)
-    t0 = time.monotonic()
-    while not ended:
-        assert time.monotonic() - t0 < 20, "the watchdog never tripped"
-        time.sleep(0.05)
+    _until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert "hang on rank 2: no progress" in ended[0] and "parallel.hang_timeout_s" in ended[0]
     assert ended[0].endswith("; requeued job 77 without n9"), ended[0]
@@ -144,10 +150,7 @@ def test_a_broken_log_handler_does_not_keep_the_job_alive(tmp_path, monkeypatch)
     try:
         dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
         dog.long_until(1)
-        t0 = time.monotonic()
-        while not ended:
-            assert time.monotonic() - t0 < 20, "a failing handler kept the job alive"
-            time.sleep(0.05)
+        _until_ended(ended, "a failing handler kept the job alive")
         dog.stop()
     finally:
         logging.getLogger().removeHandler(handler)
@@ -328,11 +331,7 @@ def test_a_stopped_peer_ends_the_first_steps_long_limit(tmp_path, monkeypatch) -
         time.sleep(3)  # idle well past the step limit, the peer alive (its watchdog runs): the long limit holds
         assert not ended and heartbeat.read(heartbeat.heartbeat_path(tmp_path, 3))["alive"] > time.time() - 2
         os.kill(proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        while not ended:
-            assert time.monotonic() - t0 < 20, "a stopped peer was not noticed within the step limit"
-            time.sleep(0.05)
-        seconds = time.monotonic() - t0
+        seconds = _until_ended(ended, "a stopped peer was not noticed within the step limit")
         dog.stop()
     finally:
         proc.kill()
@@ -372,10 +371,7 @@ def test_a_peer_on_a_skewed_clock_is_not_silent(tmp_path, monkeypatch) -> None:
         assert not ended, ended
         stop.set()
         ticker.join()
-        t0 = time.monotonic()
-        while not ended:  # its ticks stop: silent by this rank's clock
-            assert time.monotonic() - t0 < 20, "a peer whose tick stopped changing was not noticed"
-            time.sleep(0.05)
+        _until_ended(ended, "a peer whose tick stopped changing was not noticed")  # silent by this rank's clock
         dog.stop()
     finally:
         stop.set()
@@ -418,10 +414,7 @@ def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None
     watchdog.hang_path(run, 2, ".fr.json").symlink_to(victim)
     dog, hb, ended = _dog(run, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
     dog.long_until(1)
-    t0 = time.monotonic()
-    while not ended:
-        assert time.monotonic() - t0 < 20, "the watchdog never tripped"
-        time.sleep(0.05)
+    _until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert victim.read_text() == "precious\n"
     other = tmp_path / "other"
@@ -431,10 +424,7 @@ def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None
     (other / "hang").symlink_to(elsewhere)
     dog, hb, ended = _dog(other, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
     dog.long_until(1)
-    t0 = time.monotonic()
-    while not ended:
-        assert time.monotonic() - t0 < 20, "the watchdog never tripped"
-        time.sleep(0.05)
+    _until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert list(elsewhere.iterdir()) == [], list(elsewhere.iterdir())
     record("hang/rank00002.txt and .fr.json linked to a file elsewhere; hang/ linked to a directory elsewhere",
