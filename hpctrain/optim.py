@@ -83,13 +83,17 @@ def grad_norm(params: Iterable[nn.Parameter], pp_group=None) -> torch.Tensor:
     Sharded (DTensor) gradients reduce their partial norms over their mesh; plain gradients are whole on
     every rank (DDP has all-reduced them; tensor parallel replicates what it does not shard). Pipeline stages
     hold disjoint parameters: their squared norms add up over pp_group."""
+    params = list(params)
     total = None  # starts from the first group's norm, on its device: no host scalar copied in every step
     for group in _groups(params):
         n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
         n = (n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2
         total = n if total is None else total + n
     if total is None:
-        total = torch.zeros(())
+        # No gradient on this rank: its zero joins the pp all-reduce on the device its peers' norms are on (the
+        # parameters'). A host zero would go to the gloo half of a "cpu:gloo,cuda:nccl" group while the peers
+        # wait in NCCL: a hang. Every pp rank holds a block (StagePlan.build), so params is not empty there.
+        total = torch.zeros((), device=params[0].device if params else None)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()

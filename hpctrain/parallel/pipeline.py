@@ -106,9 +106,14 @@ class StagePlan:
                 raise ValueError(f"model.n_layers = {n_layers} cannot fill pp ({pp}) x pp_virtual_stages ({v}) = "
                                  f"{stages} pipeline stages with a block each")
             counts = balanced_layers(n_layers, stages)
-        empty = [s for s, n in enumerate(counts) if n == 0 and 0 < s < stages - 1]
+        # A stage with no block is refused, the first (embedding only) and the last (norm and output only) too: its
+        # rank idles through the step (pp_layers = [0, 2] on 1f1b here: rank 0 idle 0.992 of the step)
+        empty = [s for s, n in enumerate(counts) if n == 0]
         if empty:
-            raise ValueError(f"parallel.pp_layers = {counts}: middle stage(s) {empty} would hold no block")
+            fix = (f"e.g. {balanced_layers(n_layers, stages)}" if n_layers >= stages else
+                   f"model.n_layers = {n_layers} cannot fill {stages} stages")
+            raise ValueError(f"parallel.pp_layers = {counts}: stage(s) {empty} of {stages} would hold no block; every "
+                             f"stage needs at least one ({fix})")
         layers, start = [], 0
         for n in counts:
             layers.append(tuple(range(start, start + n)))

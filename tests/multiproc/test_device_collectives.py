@@ -11,7 +11,8 @@ each:
   1. the fault, injected: the default group NCCL alone would give (our init path, the CPU entry removed); the
      control collectives on host tensors must fail with NCCL's message, or this emulation proves nothing;
   2. the real control paths (RNG table, checkpoint size all-reduce, rank-0 verdicts, any-rank flags,
-     preemption poll) on our default group;
+     preemption poll) on our default group, and the gradient norm of a pipeline rank without gradients (its
+     zero must be made on the rank's device, not on torch's default one);
   3. training with periodic asynchronous and final saves, then a resume, through session.start; every process
      group alive at the end (mesh axes, FSDP, the async checkpoint group, ...) must serve host tensors.
 
@@ -47,6 +48,25 @@ def test_nccl_gets_gloo_beside_it():
     # the emulation keeps each entry's device types
     assert emulated_device_backend("nccl") == "cuda:gloo"
     assert emulated_device_backend(backend_config("nccl")) == "cpu:gloo,cuda:gloo"
+
+
+@pytest.mark.faults
+def test_grad_norm_without_gradients_reduces_on_the_parameters_device(monkeypatch):
+    """A pp rank with no gradient hands the pp all-reduce a zero on its parameters' device (meta stands in for a
+    GPU); a host zero would go to the gloo half of a "cpu:gloo,cuda:nccl" group while its peers wait in NCCL."""
+    import torch
+    import torch.distributed as dist
+    from faults import record
+
+    from hpctrain import optim
+
+    handed = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: handed.append((t.device.type, group)))
+    params = [torch.nn.Parameter(torch.ones(4, device="meta")) for _ in range(2)]  # no .grad: nothing computed
+    norm = optim.grad_norm(params, pp_group="pp")
+    assert handed == [("meta", "pp")] and norm.device.type == "meta"
+    record("a pipeline rank with parameters but no gradient joins the gradient-norm all-reduce (stand-in device)",
+           "the zero it hands the pp group is on its parameters' device, not the host", None, "unit")
 
 
 # --- two ranks -----------------------------------------------------------------------------------------------
@@ -90,6 +110,20 @@ def test_control_paths_on_our_default_group(ranks):
         assert r["backend"] == "cpu:gloo,cuda:gloo", r
         assert r["control"] == {"rng_table": "ok", "need_bytes": "ok", "agree": "ok", "gather": "ok",
                                 "any_rank": "ok", "preempt_poll": "ok"}, (rank, r["control"])
+
+
+@pytest.mark.faults
+def test_pipeline_rank_without_gradients_reduces_on_the_device(ranks):
+    """A pp rank with parameters but no gradient joins the gradient-norm all-reduce with a zero on its parameters'
+    device; a zero made on the default device (the host, on a GPU job) left its peer waiting out the timeout."""
+    from faults import record
+
+    for rank, r in enumerate(ranks):
+        assert r["no_grad_pp_rank"] == {"norm": 3.0, "device": "cpu"}, (rank, r["no_grad_pp_rank"])
+    record("a pipeline rank with no gradients in the gradient-norm all-reduce, its default device not the rank's "
+           "(emulated: default device meta, rank device cpu)",
+           "both ranks get the peer's norm (3.0) on the rank's device; no rank waits out the group timeout",
+           None, "multi-process")
 
 
 def test_training_saves_and_resumes_with_every_group_serving_host_tensors(ranks):

@@ -46,7 +46,6 @@ def test_zbv_stages_go_down_and_back_up() -> None:
 def test_explicit_layer_counts() -> None:
     p = plan("parallel.pp=2", "parallel.pp_layers=[5, 3]")
     assert p.layers == ((0, 1, 2, 3, 4), (5, 6, 7))
-    assert plan("parallel.pp=3", "parallel.pp_layers=[0, 5, 3]").layers[0] == ()  # first stage: embedding only
 
 
 def test_bubble_theory() -> None:
@@ -80,7 +79,8 @@ def check_training(cfg, tp: int, dp: int) -> tuple[str, ...]:
 @pytest.mark.parametrize("overrides,fragments", [
     (["parallel.pp=2", "parallel.pp_layers=[3, 3]", "model.n_layers=4"], ["sums to 6", "model.n_layers = 4"]),
     (["parallel.pp=4", "model.n_layers=2"], ["model.n_layers = 2", "4 pipeline stages"]),
-    (["parallel.pp=3", "parallel.pp_layers=[2, 0, 2]", "model.n_layers=4"], ["middle stage(s) [1]"]),
+    (["parallel.pp=3", "parallel.pp_layers=[2, 0, 2]", "model.n_layers=4"],
+     ["parallel.pp_layers = [2, 0, 2]", "stage(s) [1] of 3", "e.g. [2, 1, 1]"]),
     (["parallel.pp=4", "model.n_layers=4", "train.grad_accum=2"], ["train.grad_accum = 2", "1F1B", "pp = 4"]),
     (["parallel.pp=4", "model.n_layers=8", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
       "train.grad_accum=9"], ["train.grad_accum = 9", "multiple of 2"]),
@@ -92,6 +92,29 @@ def test_training_refusals_before_launch(overrides, fragments) -> None:
         check_training(cfg, tp=1, dp=1)
     for f in fragments:
         assert f in str(e.value), (f, str(e.value))
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("layers, empty", [
+    ("[0, 5, 3]", "[0] of 3"),  # the first stage: embedding only
+    ("[5, 3, 0]", "[2] of 3"),  # the last stage: norm and output only
+    ("[4, 0, 0, 4]", "[1, 2] of 4"),
+])
+def test_stage_without_blocks_is_refused(layers, empty) -> None:
+    """Every stage holds a block; a stage of the embedding (or the output) alone was accepted and left its rank idle
+    through the step."""
+    from faults import record
+
+    cfg = load_config(None, [f"parallel.pp={layers.count(',') + 1}", f"parallel.pp_layers={layers}",
+                             "model.n_layers=8", "train.grad_accum=4"])
+    with pytest.raises(ValueError) as e:
+        check_training(cfg, tp=1, dp=1)  # the plan the dry run and every rank make
+    assert f"parallel.pp_layers = {layers}: stage(s) {empty} would hold no block" in str(e.value)
+    assert "e.g. [" in str(e.value)
+    with pytest.raises(ValueError, match="cannot fill 4 stages"):
+        StagePlan.build(load_config(None, ["parallel.pp=4", "parallel.pp_layers=[1, 1, 0, 0]"]).parallel, 2)
+    record("parallel.pp_layers with a stage of no block (first, last or middle)",
+           "the plan refuses it naming the counts, the empty stages and a balanced split", None, "pure")
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved_zero_bubble"])

@@ -1,6 +1,6 @@
 """One rank of tests/multiproc/test_device_collectives.py (2 ranks with Slurm's variables, file rendezvous, the
 NCCL code path emulated on gloo by HPCTRAIN_EMULATE_NCCL=1): the control collectives on the default group NCCL
-alone would give, then on ours, then training with asynchronous and final saves and a resume. Writes
+alone would give, then on ours (and the gradient norm of a pipeline rank without gradients), then training with asynchronous and final saves and a resume. Writes
 OUT/rank<r>.json.
 
     python tests/workers/device_collectives_worker.py OUT
@@ -66,6 +66,31 @@ def _object_collectives(rank: int) -> dict[str, str]:
     return {"agree": _outcome(agree), "gather": _outcome(gather)}
 
 
+def _no_grad_pp_rank(rank: int) -> dict:
+    """The gradient norm over a pp group whose rank 1 holds parameters but no gradient (rank 0: a gradient of norm
+    3). A tensor the code makes without naming a device is on torch's default device; on a GPU job that is the
+    host, not the rank's device. Here the rank's device is the host too, so the default device is set to meta for
+    the call: a zero made "on the default device" then joins no backend of the group (meta tensors skip the
+    collective) and its peer waits out the group's timeout, as NCCL peers wait for a zero sent to gloo."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain import optim
+
+    pp_group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
+    p = torch.nn.Parameter(torch.ones(3))
+    if rank == 0:
+        p.grad = torch.tensor([2.0, 2.0, 1.0])
+    try:
+        with torch.device("meta"):
+            norm = optim.grad_norm([p], pp_group)
+        return {"norm": norm.item() if norm.device.type != "meta" else None, "device": norm.device.type}
+    except Exception as e:  # noqa: BLE001 -- recorded for the test to judge
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def _train(overrides: list[str]) -> dict:
     from torch.distributed import distributed_c10d as c10d
 
@@ -106,6 +131,7 @@ def worker(out: Path) -> None:
     rendezvous.init_distributed(ident, "nccl", 60, "", out / "rdzv-ours")
     result["backend"] = dist.get_backend_config()
     result["control"] = _host_collectives(rank, world, out) | _object_collectives(rank)
+    result["no_grad_pp_rank"] = _no_grad_pp_rank(rank)
     dist.barrier(group=dist.new_group(backend="gloo"))
     dist.destroy_process_group()
     # 3. training: async periodic saves, a final save, then a resume
