@@ -21,29 +21,37 @@ import torch.distributed as dist
 
 from hpctrain import dtypes, session
 from hpctrain.bench import gemm, harness, plot, sweep
-from hpctrain.bench.colls import Ctx
+from hpctrain.bench.colls import Ctx, all_gather_single
 from hpctrain.config import Config
 
 log = logging.getLogger(__name__)
 
 
 def world_control(opts: harness.Options, device: torch.device):
-    """(world_max, world_sum, barrier) over the backend under test, for run_placement: world_max(float) and
-    world_sum(int) are all-reduces over every rank of the world returning the result on each, barrier() waits for
-    all ranks. Under opts.backend == "mpi" they go through mpi4py's COMM_WORLD (MPI timings never touch torch);
-    otherwise through torch.distributed's default group, with tensors on `device`. Collective: every rank calls."""
+    """(world_time, world_sum, barrier) over the backend under test, for run_placement: world_time(seconds)
+    gathers every rank's time and returns them combined by opts.average (sweep.combine_times: rank 0's, the mean,
+    min or max, as nccl-tests' -a), world_sum(int) is an all-reduce over the world, both returning the result on
+    each rank, barrier() waits for all ranks. Under opts.backend == "mpi" they go through mpi4py's COMM_WORLD (MPI
+    timings never touch torch); otherwise through torch.distributed's default group, with tensors on `device`.
+    Collective: every rank calls."""
     if opts.backend == "mpi":
         from mpi4py import MPI
         w = MPI.COMM_WORLD
-        return (lambda x: w.allreduce(x, op=MPI.MAX)), (lambda x: w.allreduce(x, op=MPI.SUM)), w.Barrier
+        return ((lambda x: sweep.combine_times(w.allgather(x), opts.average)),
+                (lambda x: w.allreduce(x, op=MPI.SUM)), w.Barrier)
 
-    def reduce(x, op):
+    def gather(x: float) -> list[float]:
+        mine = torch.tensor([x], dtype=torch.float64, device=device)
+        every = torch.empty(dist.get_world_size(), dtype=torch.float64, device=device)
+        all_gather_single(every, mine)
+        return every.tolist()
+
+    def total(x: int) -> int:
         t = torch.tensor([x], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=op)
-        return t.item()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return int(t.item())
 
-    return ((lambda x: reduce(x, dist.ReduceOp.MAX)), (lambda x: int(reduce(x, dist.ReduceOp.SUM))),
-            dist.barrier)
+    return (lambda x: sweep.combine_times(gather(x), opts.average)), total, dist.barrier
 
 
 def make_ctx(s: session.Session, opts: harness.Options) -> Ctx:
@@ -82,7 +90,7 @@ def _preamble(s: session.Session, opts: harness.Options, ctx: Ctx, out: Callable
     backend = f"mpi4py ({s.ident.launcher} launch)" if opts.backend == "mpi" else f"torch {dist.get_backend()}"
     out(f"# hpctrain bench: {', '.join(opts.colls)} | group {opts.group} ({ctx.n} ranks each) | backend {backend}"
         f" | algo {opts.algo} | -d {opts.dtype} -o {opts.op} -r {opts.root} -n {opts.iters} -w {opts.warmup}"
-        f" -c {int(opts.check)}")
+        f" -c {int(opts.check)} -a {opts.average} -z {opts.blocking}")
     for i in every:
         out(f"#  Rank {i['rank']:3d} Pid {i['pid']:7d} on {i['node']:>10} device {i['device']}")
 
@@ -96,16 +104,17 @@ def beat(s: session.Session, what: str) -> None:
 def run_collectives(s: session.Session, opts: harness.Options, json_path: str | None,
                     plot_path: str | None) -> dict[str, Any]:
     ctx = make_ctx(s, opts)
-    world_max, world_sum, barrier = world_control(opts, s.device)
+    world_time, world_sum, barrier = world_control(opts, s.device)
     out = Printer(s)
     _preamble(s, opts, ctx, out)
     rows: list[sweep.Row] = []
     for name in opts.colls:
         out("#")
-        for line in sweep.table_header(f"{name}{' (hierarchical)' if opts.algo == 'hier' else ''}"):
+        for line in sweep.table_header(f"{name}{' (hierarchical)' if opts.algo == 'hier' else ''}", opts.average,
+                                       opts.blocking):
             out(line)
         one = replace(opts, colls=[name])
-        rows += harness.run_benchmark(one, ctx, s.device, world_max, world_sum, barrier,
+        rows += harness.run_benchmark(one, ctx, s.device, world_time, world_sum, barrier,
                                       emit=lambda row: (out(sweep.format_row(row)), beat(s, name)))
     for line in sweep.summary_lines(rows):
         out(line)

@@ -180,6 +180,11 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
 @click.option("-d", "--datatype", default="float", help="Element type; for gemm a comma list.")
 @click.option("-o", "--op", default="sum", help="Reduction: sum, prod, min, max, avg.")
 @click.option("-r", "--root", default=0, type=int, help="Root for broadcast and reduce (index in the group).")
+@click.option("-a", "--average", default=1, type=click.IntRange(0, 3),
+              help="Time reported, as nccl-tests: 0 rank 0's, 1 mean over ranks, 2 min, 3 max.")
+@click.option("-z", "--blocking", default=0, type=click.IntRange(0, 1),
+              help="0: launch the timed calls back to back, one wait at the end (nccl-tests' default); 1: wait and "
+                   "pass a barrier after each call.")
 @click.option("--group", default="world", help="Communicator: world, tp, dp, pp, intra, inter.")
 @click.option("--backend", default="torch", help="torch (the job's gloo/NCCL) or mpi (mpi4py, host buffers).")
 @click.option("--algo", default="flat", help="all_reduce algorithm: flat or hier (two-level over nodes).")
@@ -195,9 +200,9 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
 @click.option("--wait", is_flag=True, help="With --submit: follow the job and print the table.")
 @ends_launch_on_error
 @user_errors
-def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check, datatype, op, root, group,
-          backend, algo, json_path, plot_path, gemm_size, seed, inject_wrong, config, overrides, run_dir,
-          do_submit, wait):
+def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check, datatype, op, root, average,
+          blocking, group, backend, algo, json_path, plot_path, gemm_size, seed, inject_wrong, config, overrides,
+          run_dir, do_submit, wait):
     """nccl-tests-style benchmark of COLLS (all_reduce all_gather reduce_scatter alltoall broadcast reduce
     sendrecv, or all) on the job's own communicators; `hpctrain bench gemm` measures the matmul rate."""
     from hpctrain.bench import sweep
@@ -225,7 +230,8 @@ def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check
                    sizes=sweep.size_sweep(sweep.parse_size(minbytes), sweep.parse_size(maxbytes), stepfactor,
                                           stepbytes),
                    iters=iters, warmup=warmup, check=bool(check), dtype=datatype, op=op, root=root, group=group,
-                   backend=backend, algo=algo, seed=seed, inject_wrong=inject_wrong)
+                   backend=backend, algo=algo, seed=seed, average=average, blocking=blocking,
+                   inject_wrong=inject_wrong)
     return benchjob.main(cfg, run_dir, lambda s: benchjob.run_collectives(s, opts, json_path, plot_path))
 
 

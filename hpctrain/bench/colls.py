@@ -1,7 +1,9 @@
 """One small definition per collective, for torch.distributed and for MPI (mpi4py on host buffers).
 
 A definition says how big the send and receive buffers are for a total of T elements, how the in-place
-buffers alias one allocation, how to run it on each backend, and what positions p of the receive buffer must hold
+buffers alias one allocation, how to launch it on each backend (torch: async_op=True, returning what to wait for,
+so the harness can issue calls back to back as nccl-tests' -z 0 does; MPI: a call that returns complete), and
+what positions p of the receive buffer must hold
 afterwards, as a formula over the closed-form inputs (pattern.py) of the group's members: a check never builds
 another member's buffer. Placements a backend does not offer are left out (torch has no out-of-place all_reduce,
 broadcast or reduce; gloo's alltoall and the ring exchange cannot alias) and print as N/A.
@@ -20,8 +22,8 @@ TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dis
              "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
 
 # torch 2.13 renamed the tensor forms; an older torch on a cluster has only the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -48,9 +50,9 @@ def hierarchical_all_reduce(t: torch.Tensor, intra, inter, op: str = "sum") -> N
     k = dist.get_world_size(intra)
     flat = t.view(-1)
     shard = torch.empty(flat.numel() // k, dtype=t.dtype, device=t.device)
-    _reduce_scatter(shard, flat, op=TORCH_OPS[op], group=intra)
+    reduce_scatter_single(shard, flat, op=TORCH_OPS[op], group=intra)
     dist.all_reduce(shard, op=TORCH_OPS[op], group=inter)
-    _all_gather(flat, shard, group=intra)
+    all_gather_single(flat, shard, group=intra)
 
 
 def _mpi_op(op: str):
@@ -74,8 +76,8 @@ class Coll:
     chunk: Callable[[int, int], int]  # (T, n) -> the table's count column
     align: Callable[[int], int]  # n -> T must be a multiple of this
     views: Callable[[torch.Tensor, Ctx, str], tuple[torch.Tensor, torch.Tensor]]  # (buf, ctx, backend) in place
-    run_torch: Callable[[torch.Tensor, torch.Tensor, Ctx], Any]
-    run_mpi: Callable[[torch.Tensor, torch.Tensor, Ctx], Any]
+    run_torch: Callable[[torch.Tensor, torch.Tensor, Ctx], Any]  # launches; returns a Work, a list of them, or None
+    run_mpi: Callable[[torch.Tensor, torch.Tensor, Ctx], Any]  # returns when complete
     # (inputs, ctx, T, p) -> what receive positions p (int64) must hold; None: nothing to check on this rank
     expected: Callable[[Pattern, Ctx, int, torch.Tensor], torch.Tensor | None]
     placements: dict[str, tuple[str, ...]]  # backend -> subset of ("out", "in")
@@ -92,16 +94,15 @@ def _chunk_of(buf: torch.Tensor, ctx: Ctx) -> torch.Tensor:
 
 def _all_reduce_torch(send, recv, ctx: Ctx):
     if ctx.hier is not None:
-        hierarchical_all_reduce(recv, *ctx.hier, op=ctx.op)
-    else:
-        dist.all_reduce(recv, op=TORCH_OPS[ctx.op], group=ctx.group)
+        # three dependent steps on two groups: each waits for the one before (on NCCL a stream wait only)
+        return hierarchical_all_reduce(recv, *ctx.hier, op=ctx.op)
+    return dist.all_reduce(recv, op=TORCH_OPS[ctx.op], group=ctx.group, async_op=True)
 
 
 def _ring_torch(send, recv, ctx: Ctx):
     nxt, prv = ctx.members[(ctx.idx + 1) % ctx.n], ctx.members[(ctx.idx - 1) % ctx.n]
     ops = [dist.P2POp(dist.isend, send, nxt, group=ctx.group), dist.P2POp(dist.irecv, recv, prv, group=ctx.group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    return dist.batch_isend_irecv(ops)
 
 
 def _ring_mpi(send, recv, ctx: Ctx):
@@ -143,29 +144,30 @@ COLLS: dict[str, Coll] = {c.name: c for c in [
          placements={"torch": ("in",), "mpi": ("out", "in")}, reduces=True),
     Coll("all_gather", sizes=lambda T, n: (T // n, T), chunk=lambda T, n: T // n, align=lambda n: n,
          views=lambda buf, c, b: (_chunk_of(buf, c), buf),
-         run_torch=lambda s, r, c: _all_gather(r, s, group=c.group),
+         run_torch=lambda s, r, c: all_gather_single(r, s, group=c.group, async_op=True),
          run_mpi=lambda s, r, c: c.comm.Allgather(_src(s, c), r.numpy()),
          expected=lambda x, c, T, p: x.values(p // (T // c.n), p % (T // c.n)),  # chunk k from member k
          placements={"torch": ("out", "in"), "mpi": ("out", "in")}),
     Coll("reduce_scatter", sizes=lambda T, n: (T, T // n), chunk=lambda T, n: T // n, align=lambda n: n,
          views=_reduce_scatter_views,
-         run_torch=lambda s, r, c: _reduce_scatter(r, s, op=TORCH_OPS[c.op], group=c.group),
+         run_torch=lambda s, r, c: reduce_scatter_single(r, s, op=TORCH_OPS[c.op], group=c.group, async_op=True),
          run_mpi=_reduce_scatter_mpi,
          expected=lambda x, c, T, p: x.reduced(c.idx * (T // c.n) + p),
          placements={"torch": ("out", "in"), "mpi": ("out", "in")}, reduces=True),
     Coll("alltoall", sizes=lambda T, n: (T, T), chunk=lambda T, n: T // n, align=lambda n: n, views=_same,
-         run_torch=lambda s, r, c: dist.all_to_all_single(r, s, group=c.group),
+         run_torch=lambda s, r, c: dist.all_to_all_single(r, s, group=c.group, async_op=True),
          run_mpi=_alltoall_mpi,
          # chunk k comes from member k's chunk idx
          expected=lambda x, c, T, p: x.values(p // (T // c.n), c.idx * (T // c.n) + p % (T // c.n)),
          placements={"torch": ("out",), "mpi": ("out", "in")}),
     Coll("broadcast", sizes=lambda T, n: (T, T), chunk=lambda T, n: T, align=lambda n: 1, views=_same,
-         run_torch=lambda s, r, c: dist.broadcast(r, src=c.members[c.root], group=c.group),
+         run_torch=lambda s, r, c: dist.broadcast(r, src=c.members[c.root], group=c.group, async_op=True),
          run_mpi=lambda s, r, c: c.comm.Bcast(r.numpy(), root=c.root),
          expected=lambda x, c, T, p: x.values(c.root, p),
          placements={"torch": ("in",), "mpi": ("in",)}),
     Coll("reduce", sizes=lambda T, n: (T, T), chunk=lambda T, n: T, align=lambda n: 1, views=_same,
-         run_torch=lambda s, r, c: dist.reduce(r, dst=c.members[c.root], op=TORCH_OPS[c.op], group=c.group),
+         run_torch=lambda s, r, c: dist.reduce(r, dst=c.members[c.root], op=TORCH_OPS[c.op], group=c.group,
+                                                async_op=True),
          run_mpi=_reduce_mpi,
          expected=lambda x, c, T, p: x.reduced(p) if c.idx == c.root else None,
          placements={"torch": ("in",), "mpi": ("out", "in")}, reduces=True),

@@ -1,12 +1,19 @@
 """The one benchmark harness: for each size and placement (out of place, in place), fill seeded inputs, warm up,
-synchronise the device, pass a barrier, time `iters` calls (CUDA events on a GPU, the wall clock on a host) and
-keep the slowest rank's time per call (world_max); then, unless check is off, fill the receive buffer with a
-sentinel, refill the inputs, run once and count wrong elements summed over the ranks (world_sum).
+synchronise the device, pass a barrier, time `iters` calls and combine the ranks' times per call (world_time:
+the mean by default, opts.average); then, unless check is off, fill the receive buffer with a sentinel, refill the
+inputs, run once and count wrong elements summed over the ranks (world_sum).
 The inputs are closed-form (pattern.py): filling and checking work chunk by chunk on the buffers' device, with
 memory O(chunk) per rank whatever the world size and message size.
 
-    opts = Options(colls=["all_reduce"], sizes=size_sweep(1024, 1 << 20))
-    rows = run_benchmark(opts, ctx, device, world_max, world_sum, barrier, emit=print)
+    opts = Options(colls=["all_reduce"], sizes=size_sweep(1024, 1 << 20), average=1, blocking=0)
+    rows = run_benchmark(opts, ctx, device, world_time, world_sum, barrier, emit=print)
+
+The timed loop is nccl-tests' (BenchTime in src/common.cu, NVIDIA/nccl-tests a0b82b2): the host clock from the
+barrier to the end of the last call, divided by the calls. With -z 0 (opts.blocking = 0) every call is launched
+back to back (torch's async_op=True) and the loop waits once at the end (each call's work, then the device); with
+-z 1 each call is waited for, the device synchronised and a barrier passed before the next, all inside the timed
+loop. MPI's calls return complete: -z 0 issues them back to back, -z 1 adds the wait for the device (none: host
+buffers) and the barrier.
 
 The group comes in as an argument, inside ctx (colls.Ctx: the members, a torch group from the mesh, or an mpi4py
 communicator over the same members); benchjob.py builds ctx and the three control functions from a session.
@@ -22,7 +29,7 @@ import torch
 from hpctrain import dtypes
 from hpctrain.bench.colls import COLLS, Coll, Ctx
 from hpctrain.bench.pattern import Pattern, sentinel
-from hpctrain.bench.sweep import Row, bandwidths
+from hpctrain.bench.sweep import AVERAGES, BLOCKING, Row, bandwidths
 
 DTYPES = dtypes.TORCH  # -d names (nccl-tests' spelling); dtypes.canonical maps the others
 MPI_DTYPES = ("float", "double", "int32", "int64", "int8", "uint8")
@@ -43,6 +50,8 @@ class Options:
     backend: str = "torch"  # torch (gloo/NCCL as started) | mpi (mpi4py on host buffers)
     algo: str = "flat"  # flat | hier (all_reduce on world only)
     seed: int = 0
+    average: int = 1  # -a: the ranks' times combined as nccl-tests does: 0 rank 0, 1 mean, 2 min, 3 max
+    blocking: int = 0  # -z: 0 back-to-back launches and one wait, 1 wait and barrier after each call
     inject_wrong: bool = False  # corrupt one received element on one rank: proves the check can fail
     placements: tuple[str, ...] = field(default=("out", "in"))
 
@@ -75,6 +84,12 @@ class Options:
             raise ValueError(f"-n {self.iters} -w {self.warmup}: need at least 1 iteration and >= 0 warmup")
         if self.root < 0:
             raise ValueError(f"-r {self.root}: the root must be >= 0")
+        if self.average not in AVERAGES:
+            raise ValueError(f"-a {self.average}: valid values are "
+                             + ", ".join(f"{k} ({v})" for k, v in AVERAGES.items()))
+        if self.blocking not in BLOCKING:
+            raise ValueError(f"-z {self.blocking}: valid values are "
+                             + ", ".join(f"{k} ({v})" for k, v in BLOCKING.items()))
 
 
 def check_chunk(device: torch.device) -> int:
@@ -111,33 +126,39 @@ def check_recv(coll: Coll, inputs: Pattern, ctx: Ctx, T: int, recv: torch.Tensor
     return int(wrong)
 
 
+def buffer_device(backend: str, device: torch.device) -> torch.device:
+    """Where a placement's buffers live and whose work the clock waits for: the job's device for torch; the host
+    for MPI, which is handed numpy views of the buffers (a CUDA tensor has none)."""
+    return torch.device("cpu") if backend == "mpi" else device
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # every stream of the device: NCCL's own ones too
 
 
-class _Timer:
-    """Wall time of a block: CUDA events on a GPU (what the stream did), perf_counter after it on a CPU."""
+def _wait(handle) -> None:
+    """Completes what one launch returned: a torch Work, a list of them (a batched exchange), or None (a call that
+    returned complete: MPI, or a collective made of dependent steps)."""
+    for work in handle if isinstance(handle, list) else [handle] if handle is not None else []:
+        work.wait()
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds = 0.0
 
-    def __enter__(self) -> "_Timer":
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
+def timed_loop(launch: Callable[[], Any], iters: int, blocking: int, sync: Callable[[], None],
+               barrier: Callable[[], None]) -> None:
+    """nccl-tests' timed loop over `iters` calls of launch(): blocking 0 launches them all, then waits for each
+    launch's work and synchronises the device once; blocking 1 waits, synchronises and passes a barrier after
+    each call. The caller's clock runs around it (its end is the last wait)."""
+    if blocking:
+        for _ in range(iters):
+            _wait(launch())
+            sync()
+            barrier()
+        return
+    pending = [launch() for _ in range(iters)]
+    for handle in pending:
+        _wait(handle)
+    sync()
 
 
 class Inputs:
@@ -154,9 +175,11 @@ class Inputs:
 
 
 def alloc_buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """New zeroed (send, recv) tensors of `dtype` on `device` for coll with T elements per rank in ctx's group,
-    sized by coll.sizes; for an in-place ctx, two views of one buffer (coll.views). What run_placement allocates
-    when it is not given `buffers`, and what a caller allocates once to reuse across run_placement calls."""
+    """New zeroed (send, recv) tensors of `dtype` for coll with T elements per rank in ctx's group, on `device`
+    (on the host for MPI: buffer_device), sized by coll.sizes; for an in-place ctx, two views of one buffer
+    (coll.views). What run_placement allocates when it is not given `buffers`, and what a caller allocates once to
+    reuse across run_placement calls."""
+    device = buffer_device(backend, device)
     send_n, recv_n = coll.sizes(T, ctx.n)
     if ctx.inplace:
         buf = torch.zeros(max(send_n, recv_n), dtype=dtype, device=device)
@@ -165,28 +188,29 @@ def alloc_buffers(coll: Coll, ctx: Ctx, T: int, dtype, device, backend: str) -> 
 
 
 def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: Inputs,
-                  world_max: Callable[[float], float], world_sum: Callable[[int], int],
+                  world_time: Callable[[float], float], world_sum: Callable[[int], int],
                   barrier: Callable[[], None], buffers: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> dict[str, Any]:
-    """Times and checks one placement; `buffers` (send, recv) may be given to reuse memory across calls."""
+    """Times and checks one placement; `buffers` (send, recv) may be given to reuse memory across calls.
+    world_time turns this rank's seconds per call into the reported ones (benchjob.world_control: by
+    opts.average over the ranks)."""
     dtype = DTYPES[opts.dtype]
+    device = buffer_device(opts.backend, device)
     send, recv = buffers or alloc_buffers(coll, ctx, T, dtype, device, opts.backend)
     run = coll.run_torch if opts.backend == "torch" else coll.run_mpi
+    launch = lambda: run(send, recv, ctx)  # noqa: E731
     pattern, chunk = inputs.pattern(coll), check_chunk(send.device)
     pattern.fill(send, ctx.idx, chunk)
-    for _ in range(opts.warmup):
-        run(send, recv, ctx)
-    _sync(device)
+    timed_loop(launch, opts.warmup, 0, lambda: _sync(device), barrier)
     barrier()
-    with _Timer(device) as timer:
-        for _ in range(opts.iters):
-            run(send, recv, ctx)
-    elapsed = world_max(timer.seconds / opts.iters)  # the slowest rank's time
+    t0 = time.perf_counter()
+    timed_loop(launch, opts.iters, opts.blocking, lambda: _sync(device), barrier)
+    elapsed = world_time((time.perf_counter() - t0) / opts.iters)
     wrong = None
     if opts.check:
         recv.fill_(sentinel(dtype))  # so an element the collective never wrote counts as wrong
         pattern.fill(send, ctx.idx, chunk)
-        run(send, recv, ctx)
+        _wait(launch())
         _sync(device)
         if opts.inject_wrong and ctx.idx == ctx.root:  # the root checks every collective, reduce too
             recv.view(-1)[0] = sentinel(dtype)  # never a result, in any type (+1 can round away in bf16)
@@ -194,7 +218,7 @@ def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: I
     return {"time_us": elapsed * 1e6, "wrong": wrong}
 
 
-def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_max: Callable[[float], float],
+def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_time: Callable[[float], float],
                   world_sum: Callable[[int], int], barrier: Callable[[], None],
                   emit: Callable[[Row], None] = lambda row: None) -> list[Row]:
     """All sizes of all requested collectives; `emit` sees each row as soon as it is measured."""
@@ -217,10 +241,11 @@ def run_benchmark(opts: Options, ctx: Ctx, device: torch.device, world_max: Call
             for placement in ("out", "in"):
                 if placement in coll.placements[opts.backend] and placement in opts.placements:
                     pctx = replace(ctx, inplace=placement == "in")
-                    res[placement] = run_placement(coll, pctx, T, opts, device, inputs, world_max, world_sum,
+                    res[placement] = run_placement(coll, pctx, T, opts, device, inputs, world_time, world_sum,
                                                    barrier)
             row = Row(coll=name, size=T * elem, count=coll.chunk(T, ctx.n), dtype=opts.dtype, op=opts.op,
-                      root=opts.root, nranks=ctx.n, group=opts.group, backend=opts.backend, algo=opts.algo)
+                      root=opts.root, nranks=ctx.n, group=opts.group, backend=opts.backend, algo=opts.algo,
+                      average=opts.average, blocking=opts.blocking)
             for placement, r in res.items():
                 algbw, busbw = bandwidths(row.size, r["time_us"] / 1e6, name, ctx.n)
                 r.update(algbw=algbw, busbw=busbw)

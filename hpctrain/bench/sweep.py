@@ -1,10 +1,15 @@
-"""Pure helpers of the benchmark: size sweeps, bandwidth arithmetic and the nccl-tests table layout.
+"""Pure helpers of the benchmark: size sweeps, how the ranks' times make the reported one, bandwidth arithmetic
+and the nccl-tests table layout.
 
     sizes = size_sweep(parse_size("8"), parse_size("128M"), factor=2)
-    algbw = size_bytes / time_s / 1e9; busbw = algbw * bus_factor("all_reduce", nranks)
+    t = combine_times(per_rank_seconds, average=1)          # -a: 0 rank 0, 1 mean, 2 min, 3 max
+    algbw = size_bytes / t / 1e9; busbw = algbw * bus_factor("all_reduce", nranks)
 
-Bus bandwidth factors are nccl-tests' (see its PERFORMANCE.md): they turn algorithm bandwidth into the
-bandwidth a single link sees, so numbers compare across rank counts.
+As nccl-tests (src/common.cu, NVIDIA/nccl-tests a0b82b2): each rank's time per call is combined over every rank
+of the job by -a (its Allreduce of deltaSec: rank 0's own value, the sum over ranks divided by their number, the
+minimum or the maximum), and algbw and busbw are derived from that one combined time (getBw). Bus bandwidth
+factors are nccl-tests' (see its PERFORMANCE.md): they turn algorithm bandwidth into the bandwidth a single link
+sees, so numbers compare across rank counts.
 """
 from __future__ import annotations
 
@@ -51,6 +56,33 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int = 2, step: int = 0) -
     return sizes
 
 
+# -a values, nccl-tests' numbering: the word the table header and the docs use for each
+AVERAGES = {0: "rank 0", 1: "mean", 2: "min", 3: "max"}
+# -z values: 0 launches every timed call back to back and waits once at the end; 1 waits for each call and
+# passes a barrier before the next (nccl-tests' -z 1: its stream sync, then Barrier, inside the timed loop)
+BLOCKING = {0: "back-to-back launches, one wait", 1: "wait and barrier after each call"}
+
+
+def combine_times(per_rank: Sequence[float], average: int) -> float:
+    """The reported time from every rank's time per call (indexed by global rank), as nccl-tests' -a combines
+    them: 0 rank 0's, 1 the mean, 2 the minimum, 3 the maximum."""
+    if average == 0:
+        return per_rank[0]
+    if average == 1:
+        return sum(per_rank) / len(per_rank)
+    if average == 2:
+        return min(per_rank)
+    if average == 3:
+        return max(per_rank)
+    raise ValueError(f"-a {average}: valid values are " + ", ".join(f"{k} ({v})" for k, v in AVERAGES.items()))
+
+
+def timing_note(average: int, blocking: int) -> str:
+    """What the time columns mean, for the table header."""
+    return (f"time: {AVERAGES[average]} over ranks (-a {average}), {BLOCKING[blocking]} (-z {blocking}); "
+            f"bandwidths from that time")
+
+
 def bus_factor(coll: str, nranks: int) -> float:
     return BUS_FACTORS[coll](nranks)
 
@@ -74,21 +106,24 @@ class Row:
     group: str
     backend: str
     algo: str
+    average: int = 1  # -a: how the ranks' times were combined (AVERAGES)
+    blocking: int = 0  # -z: how the timed calls were issued (BLOCKING)
     out: dict[str, Any] | None = None  # {"time_us", "algbw", "busbw", "wrong"}
     inp: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("coll", "size", "count", "dtype", "op", "root", "nranks", "group",
-                                              "backend", "algo")}
+                                              "backend", "algo", "average", "blocking")}
         for tag, res in (("oop", self.out), ("ip", self.inp)):
             for key in ("time_us", "algbw", "busbw", "wrong"):
                 d[f"{tag}_{key}"] = None if res is None else res[key]
         return d
 
 
-def table_header(rows_title: str) -> list[str]:
+def table_header(rows_title: str, average: int = 1, blocking: int = 0) -> list[str]:
     return [
         f"# {rows_title}",
+        f"# {timing_note(average, blocking)}",
         "#" + " " * 46 + f"{'out-of-place':^33}{'in-place':^33}".rstrip(),
         f"#{'size':>11} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}"
         f" {'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"

@@ -2,10 +2,11 @@
 (one node) and one of 4 ranks (2 "nodes" of 2). Each worker runs every case in-process (tests/workers/bench_worker.py).
 
 Every collective, with the check on, must count 0 wrong elements in every placement it offers, for float sum,
-int32 max, double avg, bfloat16 sum (up to 1 MiB: several check chunks), int8 prod and half min; an injected
-wrong element must fail the run; the two-level all-reduce must equal the
-flat one (and a single-process reference) on the session's own intra/inter groups; --group intra and inter run
-on 2-rank groups.
+int32 max, double avg, bfloat16 sum (up to 1 MiB: several check chunks), int8 prod and half min, with the timed
+calls launched back to back (-z 0, the default) and waited for one by one (-z 1); an injected wrong element must
+fail the run; the ranks' times combine as nccl-tests' -a says (rank 0, mean, min, max of known per-rank times);
+the two-level all-reduce must equal the flat one (and a single-process reference) on the session's own
+intra/inter groups; --group intra and inter run on 2-rank groups.
 
     .venv/bin/python -m pytest tests/multiproc/test_bench_dist.py -q
 """
@@ -40,6 +41,8 @@ def _cases(out: Path, world: int) -> list:
         ("int8_prod", ["all", *SMALL, "-d", "int8", "-o", "prod"]),
         ("half_min", ["all", *SMALL, "-d", "half", "-o", "min"]),
         ("inject", ["all", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "--inject-wrong"]),
+        ("blocking_max", ["all", *ONE_SIZE, "-a", "3", "-z", "1"]),
+        ("world_time", "world_time"),
     ]
     if world == 4:
         cases += [
@@ -90,15 +93,16 @@ def _offered(coll: str) -> list[str]:
     return [{"out": "oop", "in": "ip"}[p] for p in COLLS[coll].placements["torch"]]
 
 
-def _check_rows(rows: list[dict], *, colls, sizes, nranks: int, dtype: str, op: str, group: str, algo: str) -> None:
+def _check_rows(rows: list[dict], *, colls, sizes, nranks: int, dtype: str, op: str, group: str, algo: str,
+                average: int = 1, blocking: int = 0) -> None:
     assert [r["coll"] for r in rows] == [c for c in colls for _ in sizes]
     for r in rows:
         where = (r["coll"], r["size"])
         assert r["size"] in sizes, where
         T = r["size"] // ELEM[dtype]
         assert r["count"] == COLLS[r["coll"]].chunk(T, nranks), where
-        assert (r["nranks"], r["dtype"], r["op"], r["group"], r["backend"], r["algo"]) == (
-            nranks, dtype, op, group, "torch", algo), where
+        assert (r["nranks"], r["dtype"], r["op"], r["group"], r["backend"], r["algo"], r["average"],
+                r["blocking"]) == (nranks, dtype, op, group, "torch", algo, average, blocking), where
         for tag in ("oop", "ip"):
             if tag in _offered(r["coll"]):
                 assert r[f"{tag}_wrong"] == 0, (where, tag, r)
@@ -130,10 +134,30 @@ def test_every_collective_zero_wrong(spawned, name, dtype, op):
     _check_ok_run(spawned, name, rows)
     text = (run_dir / "bench.txt").read_text()
     for coll in ALL_COLLS:
-        assert f"\n# {coll}\n" in text
+        assert f"\n# {coll}\n# time: mean over ranks (-a 1), back-to-back launches, one wait (-z 0);" in text
+    assert " -a 1 -z 0\n" in text  # the command's line
     if name == "all":  # -J and --plot write the same rows and a second plot
         assert (spawned["root"] / "extra.jsonl").read_text() == (run_dir / "bench.jsonl").read_text()
         assert (spawned["root"] / "extra.png").stat().st_size > 0
+
+
+def test_blocking_calls_and_max_time_zero_wrong(spawned):
+    """-z 1 (wait and barrier after each call) and -a 3 (the slowest rank's time): every collective still checks 0
+    wrong, and the rows and the table say which definition they hold."""
+    run_dir, rows = _run(spawned, "blocking_max")
+    _check_rows(rows, colls=ALL_COLLS, sizes=[8192], nranks=spawned["world"], dtype="float", op="sum",
+                group="world", algo="flat", average=3, blocking=1)
+    _check_ok_run(spawned, "blocking_max", rows)
+    text = (run_dir / "bench.txt").read_text()
+    assert text.count("# time: max over ranks (-a 3), wait and barrier after each call (-z 1);") == len(ALL_COLLS)
+
+
+def test_ranks_times_combine_as_nccl_tests_average(spawned):
+    """Rank r's time r + 1 s: -a 0 gives rank 0's (1), -a 1 the mean, -a 2 the minimum, -a 3 the maximum; the
+    same on every rank."""
+    w = spawned["world"]
+    for rank, rec in enumerate(spawned["records"]):
+        assert rec["world_time"] == {"0": 1.0, "1": (w + 1) / 2, "2": 1.0, "3": float(w)}, (rank, rec["world_time"])
 
 
 def test_injected_wrong_element_fails_the_run(spawned):

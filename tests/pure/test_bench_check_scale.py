@@ -185,8 +185,11 @@ def test_harness_at_128_members_right_result_and_injection():
     opts = Options(colls=["all_reduce"], sizes=[2 * T], iters=1, warmup=0, dtype="bfloat16", seed=seed)
     inputs = harness.Inputs(opts, torch.bfloat16, n)
     pat = inputs.pattern(COLLS["all_reduce"])
-    right = dataclasses.replace(COLLS["all_reduce"],
-                                run_torch=lambda s, r, c: r.copy_(pat.reduced(torch.arange(r.numel()))))
+
+    def write_right(send, recv, ctx) -> None:  # complete on return: nothing to wait for
+        recv.copy_(pat.reduced(torch.arange(recv.numel())))
+
+    right = dataclasses.replace(COLLS["all_reduce"], run_torch=write_right)
     ctx = Ctx(idx=0, members=list(range(n)), inplace=True)  # the root: it injects
     for inject, wrong in ((False, 0), (True, 1)):
         res = harness.run_placement(right, ctx, T, dataclasses.replace(opts, inject_wrong=inject),

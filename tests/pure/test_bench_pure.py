@@ -1,24 +1,31 @@
 """Pure tests of the benchmark: size parsing and sweeps, bus bandwidth arithmetic, the nccl-tests table, the
-JSON rows, option checks and the seeded data / wrong-element count. No processes, no torch.distributed.
+JSON rows, option checks, the seeded data / wrong-element count, how the ranks' times combine (-a) and the timed
+loop's shape (-z), and the host buffers of the MPI backend on a device job. No processes, no torch.distributed.
 
     .venv/bin/python -m pytest tests/pure/test_bench_pure.py -q
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+import sys
+import types
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 from hpctrain import cli
-from hpctrain.bench.colls import COLLS
+from hpctrain.bench import harness
+from hpctrain.bench.colls import COLLS, Ctx
 from hpctrain.bench.harness import DTYPES, Options, count_wrong
 from hpctrain.bench.pattern import make_data, reduce_inputs
 from hpctrain.bench.sweep import (
     Row,
     bandwidths,
     bus_factor,
+    combine_times,
     format_row,
     parse_size,
     size_sweep,
@@ -132,6 +139,9 @@ def _ends(line: str) -> list[int]:
 def test_table_columns_line_up():
     head = table_header("all_gather")
     assert head[0] == "# all_gather"
+    assert head[1] == ("# time: mean over ranks (-a 1), back-to-back launches, one wait (-z 0); bandwidths from "
+                       "that time")
+    head = head[:1] + head[2:]  # the columns
     names, units = head[2], head[3]
     assert names.split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
                              "time", "algbw", "busbw", "#wrong"]
@@ -158,7 +168,7 @@ def test_table_na_cells_and_columns():
     # torch all_reduce: in-place only; the out-of-place cells print N/A and the columns still line up
     row = format_row(_row("all_reduce", inp=_res(5.0, 1.0, 1.5, 0), count=16384))
     assert row.split()[:9] == ["65536", "16384", "float", "sum", "-1", "N/A", "N/A", "N/A", "N/A"]
-    assert _ends(row) == _ends(table_header("x")[2])[1:]
+    assert _ends(row) == _ends(table_header("x")[3])[1:]
     # alltoall: out-of-place only
     cells = format_row(_row("alltoall", out=_res(5.0, 1.0, 0.75, 0))).split()
     assert cells[5:9] == ["5.0", "1.00", "0.75", "0"] and cells[9:] == ["N/A"] * 4
@@ -195,10 +205,13 @@ def test_row_json_fields():
     row = _row("alltoall", out=_res(12.5, 1.25, 0.9375, 0), group="inter", nranks=2)
     d = row.to_json()
     assert list(d) == ["coll", "size", "count", "dtype", "op", "root", "nranks", "group", "backend", "algo",
-                       "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong", "ip_time_us", "ip_algbw", "ip_busbw",
-                       "ip_wrong"]
+                       "average", "blocking", "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong", "ip_time_us",
+                       "ip_algbw", "ip_busbw", "ip_wrong"]
     assert d["coll"] == "alltoall" and d["size"] == 65536 and d["count"] == 4096 and d["group"] == "inter"
     assert d["nranks"] == 2 and d["backend"] == "torch" and d["algo"] == "flat"
+    assert (d["average"], d["blocking"]) == (1, 0)  # nccl-tests' defaults
+    other = _row(average=3, blocking=1).to_json()
+    assert (other["average"], other["blocking"]) == (3, 1)
     assert (d["oop_time_us"], d["oop_algbw"], d["oop_busbw"], d["oop_wrong"]) == (12.5, 1.25, 0.9375, 0)
     assert d["ip_time_us"] is d["ip_algbw"] is d["ip_busbw"] is d["ip_wrong"] is None
     d = _row("all_reduce", inp=_res(1.0, 2.0, 3.0, 7)).to_json()
@@ -209,8 +222,8 @@ def test_row_json_fields():
 
 def test_options_defaults_and_aliases():
     o = Options(colls=list(COLLS), sizes=[1024])
-    assert (o.iters, o.warmup, o.check, o.dtype, o.op, o.group, o.backend, o.algo) == (
-        20, 5, True, "float", "sum", "world", "torch", "flat")
+    assert (o.iters, o.warmup, o.check, o.dtype, o.op, o.group, o.backend, o.algo, o.average, o.blocking) == (
+        20, 5, True, "float", "sum", "world", "torch", "flat", 1, 0)
     for alias, name in [("fp32", "float"), ("float64", "double"), ("bf16", "bfloat16"), ("fp16", "half"),
                         ("int", "int32"), ("long", "int64")]:
         assert Options(colls=["all_reduce"], sizes=[8], dtype=alias).dtype == name
@@ -237,6 +250,8 @@ def test_options_defaults_and_aliases():
     ({"iters": 0}, ["-n 0"]),
     ({"warmup": -1}, ["-w -1"]),
     ({"root": -1}, ["-r -1"]),
+    ({"average": 4}, ["-a 4", "0 (rank 0)", "1 (mean)", "2 (min)", "3 (max)"]),
+    ({"blocking": 2}, ["-z 2", "0 (back-to-back", "1 (wait and barrier"]),
 ])
 def test_options_refused_naming_the_value(kw, fragments):
     refused(fragments, **kw)
@@ -249,6 +264,8 @@ def test_options_refused_naming_the_value(kw, fragments):
     (["all_reduce", "-f", "1"], ["-f 1"]),
     (["all_reduce", "-d", "float8"], ["float8"]),
     (["all_reduce", "--algo", "hier", "--group", "inter"], ["--group inter"]),
+    (["all_reduce", "-a", "4"], ["'-a'", "4 is not in the range"]),
+    (["all_reduce", "-z", "2", "--submit"], ["'-z'", "2 is not in the range"]),  # before a job is submitted
 ])
 def test_cli_bench_refuses_before_starting(argv, fragments):
     """Bad options exit 2 with the value named, before any rendezvous (nothing here starts a process group)."""
@@ -329,3 +346,143 @@ def test_reference_is_exact_in_the_element_type(dtype, op, nranks):
     (partial results of sum and prod of these non-negative inputs are no larger than the final one)."""
     ref = reduce_inputs([make_data(r, 4096, DTYPES[dtype], op, 0, nranks) for r in range(nranks)], op)
     assert torch.equal(ref.to(DTYPES[dtype]).double(), ref), f"max {ref.max().item()}"
+
+
+# --- timing definitions: -a and -z, as nccl-tests ----------------------------------------------------------
+
+def test_combine_times_by_hand():
+    """nccl-tests' -a over every rank's time per call: 0 rank 0's own, 1 the mean, 2 the minimum, 3 the maximum."""
+    per_rank = [5.0, 1.0, 3.0, 7.0]
+    assert [combine_times(per_rank, a) for a in range(4)] == [5.0, 4.0, 1.0, 7.0]
+    assert combine_times([2.5], 1) == 2.5
+    with pytest.raises(ValueError, match="-a 4"):
+        combine_times(per_rank, 4)
+
+
+class Recorder:
+    """Stand-ins for a launch that returns a work handle, the device sync and the barrier; `log` is what ran."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.launched = 0
+
+    def launch(self):
+        self.launched += 1
+        i = self.launched
+        self.log.append(f"launch {i}")
+        return types.SimpleNamespace(wait=lambda: self.log.append(f"wait {i}"))
+
+    def sync(self) -> None:
+        self.log.append("sync")
+
+    def barrier(self) -> None:
+        self.log.append("barrier")
+
+
+def test_timed_loop_blocking_0_launches_all_then_waits_once():
+    r = Recorder()
+    harness.timed_loop(r.launch, 3, 0, r.sync, r.barrier)
+    assert r.log == ["launch 1", "launch 2", "launch 3", "wait 1", "wait 2", "wait 3", "sync"]
+
+
+def test_timed_loop_blocking_1_waits_and_passes_a_barrier_after_each_call():
+    r = Recorder()
+    harness.timed_loop(r.launch, 2, 1, r.sync, r.barrier)
+    assert r.log == ["launch 1", "wait 1", "sync", "barrier", "launch 2", "wait 2", "sync", "barrier"]
+
+
+def test_timed_loop_waits_for_batched_and_finished_launches():
+    """A launch may return several works (the ring exchange's send and receive) or None (complete on return)."""
+    log: list[str] = []
+    works = [types.SimpleNamespace(wait=lambda k=k: log.append(f"wait {k}")) for k in ("send", "recv")]
+    harness.timed_loop(lambda: works, 2, 0, lambda: log.append("sync"), lambda: None)
+    assert log == ["wait send", "wait recv", "wait send", "wait recv", "sync"]
+    harness.timed_loop(lambda: None, 2, 1, lambda: log.append("sync"), lambda: log.append("barrier"))
+    assert log[5:] == ["sync", "barrier", "sync", "barrier"]
+
+
+@pytest.mark.parametrize("blocking", [0, 1])
+def test_run_placement_times_the_loop_of_its_blocking_mode(blocking):
+    """run_placement on a stand-in all-reduce: warm-up launches, their waits, the barrier, then the timed loop of
+    -z's shape, the combined time from this rank's seconds per call, then the checked call."""
+    r = Recorder()
+    coll = dataclasses.replace(COLLS["all_reduce"], run_torch=lambda s, recv, c: r.launch())
+    opts = Options(colls=["all_reduce"], sizes=[64], iters=3, warmup=1, check=False, blocking=blocking)
+    seen = []
+    res = harness.run_placement(coll, Ctx(idx=0, members=[0], inplace=True), 16, opts, torch.device("cpu"),
+                                harness.Inputs(opts, torch.float32, 1), lambda t: seen.append(t) or 42.0,
+                                lambda x: x, r.barrier)
+    timed = (["launch 2", "launch 3", "launch 4", "wait 2", "wait 3", "wait 4"] if blocking == 0 else
+             ["launch 2", "wait 2", "barrier", "launch 3", "wait 3", "barrier", "launch 4", "wait 4", "barrier"])
+    assert r.log == ["launch 1", "wait 1", "barrier"] + timed  # (no sync on the host)
+    assert len(seen) == 1 and seen[0] > 0 and res["time_us"] == 42.0e6  # world_time's result is what is reported
+
+
+# --- the MPI backend's buffers on a device job -------------------------------------------------------------
+
+class OneRankComm:
+    """An mpi4py communicator of one member that records what each call is handed; the fake mpi4py below gives
+    MPI.IN_PLACE and the reduction ops."""
+
+    def __init__(self, in_place) -> None:
+        self.in_place, self.handed = in_place, []
+
+    def _take(self, *bufs) -> None:
+        self.handed += [type(b).__name__ for b in bufs if b is not self.in_place]
+
+    def _copy(self, src, dst) -> None:
+        self._take(src, dst)
+        if src is not self.in_place:
+            dst[...] = src.reshape(dst.shape)
+
+    def Allreduce(self, src, dst, op):
+        self._copy(src, dst)
+
+    def Allgather(self, src, dst):
+        self._copy(src, dst)
+
+    def Reduce_scatter_block(self, src, dst, op):
+        self._copy(src, dst)
+
+    def Alltoall(self, src, dst):
+        self._copy(src, dst)
+
+    def Reduce(self, src, dst, op, root):
+        self._copy(src, dst)
+
+    def Bcast(self, buf, root):
+        self._take(buf)
+
+    def Sendrecv(self, src, dest, recvbuf, source):
+        self._copy(src, recvbuf)
+
+    def Sendrecv_replace(self, buf, dest, source):
+        self._take(buf)
+
+
+@pytest.mark.faults
+def test_mpi_backend_hands_mpi_host_buffers_on_a_device_job(monkeypatch):
+    """`--backend mpi` in a GPU job: the buffers are host memory whatever the job's device (meta stands in for a
+    GPU); they were allocated on the device and .numpy() failed on them."""
+    from faults import record
+
+    in_place = object()
+    fake = types.ModuleType("mpi4py")
+    fake.MPI = types.SimpleNamespace(IN_PLACE=in_place, SUM="sum", PROD="prod", MIN="min", MAX="max")
+    monkeypatch.setitem(sys.modules, "mpi4py", fake)
+    device = torch.device("meta")
+    assert harness.buffer_device("mpi", device) == torch.device("cpu")
+    assert harness.buffer_device("torch", torch.device("cuda", 3)) == torch.device("cuda", 3)
+    opts = Options(colls=list(COLLS), sizes=[256], iters=2, warmup=1, backend="mpi")
+    for name, coll in COLLS.items():
+        for placement in coll.placements["mpi"]:
+            comm = OneRankComm(in_place)
+            ctx = Ctx(idx=0, members=[0], inplace=placement == "in", comm=comm)
+            send, recv = harness.alloc_buffers(coll, ctx, 64, torch.float32, device, "mpi")
+            assert send.device.type == recv.device.type == "cpu", name
+            res = harness.run_placement(coll, ctx, 64, opts, device, harness.Inputs(opts, torch.float32, 1),
+                                        lambda t: t, lambda x: x, lambda: None)
+            assert res["wrong"] == 0, (name, placement)
+            assert comm.handed and set(comm.handed) == {np.ndarray.__name__}, (name, placement, comm.handed)
+    record("`hpctrain bench --backend mpi` on a job whose device is not the host (stand-in device)",
+           "every collective's buffers handed to MPI are host (numpy) arrays and check 0 wrong", None, "unit")

@@ -2,9 +2,10 @@
 with torchrun's variables).
 
 Runs several cases in one process to pay for `import torch` once; each case gets its own port and run root.
-A case is either a `hpctrain bench` command line (run in-process through the click command) or "hier", which
-compares the two-level all-reduce with the flat one on the session's own intra/inter groups. Writes what
-happened per case to <out>/rank<r>.json.
+A case is either a `hpctrain bench` command line (run in-process through the click command), "hier", which
+compares the two-level all-reduce with the flat one on the session's own intra/inter groups, or "world_time",
+which combines the known times rank + 1 over the ranks for each -a. Writes what happened per case to
+<out>/rank<r>.json.
 """
 import json
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpctrain import cli, session
+from hpctrain import benchjob, cli, session
 from hpctrain.bench import colls, harness, pattern
 from hpctrain.config import load_config
 
@@ -50,6 +51,16 @@ def _hier_case(s: session.Session) -> dict:
     return record
 
 
+def _world_time_case(s: session.Session) -> dict:
+    """benchjob's time combination over real ranks for each -a, from the per-rank times rank + 1 seconds."""
+    combined = {}
+    for average in range(4):
+        opts = harness.Options(colls=["all_reduce"], sizes=[8], average=average)
+        world_time = benchjob.world_control(opts, s.device)[0]
+        combined[str(average)] = world_time(float(s.rank + 1))
+    return combined
+
+
 def main(out: str, example: str, base_port: int, cases_json: str) -> None:
     rank = int(os.environ["RANK"])
     record = {}
@@ -57,10 +68,10 @@ def main(out: str, example: str, base_port: int, cases_json: str) -> None:
         os.environ["MASTER_PORT"] = str(base_port + i)
         sets = ["--set", f"job.run_root={out}/{name}", "--set", "parallel.timeout_s=120"]
         try:
-            if argv == "hier":
+            if argv in ("hier", "world_time"):
                 cfg = load_config(example, [f"job.run_root={out}/{name}", "parallel.timeout_s=120"])
                 with session.start(cfg) as s:
-                    record[name] = _hier_case(s)
+                    record[name] = _hier_case(s) if argv == "hier" else _world_time_case(s)
             else:
                 cli.main(["bench", *argv, "--config", example, *sets], standalone_mode=False)
                 record[name] = {"ok": True}

@@ -1,7 +1,7 @@
 """One rank of tests/multiproc/test_device_collectives.py (2 ranks with Slurm's variables, file rendezvous, the
 NCCL code path emulated on gloo by HPCTRAIN_EMULATE_NCCL=1): the control collectives on the default group NCCL
-alone would give, then on ours (and the gradient norm of a pipeline rank without gradients), then training with asynchronous and final saves and a resume. Writes
-OUT/rank<r>.json.
+alone would give, then on ours (and the gradient norm of a pipeline rank without gradients), then training with
+asynchronous and final saves and a resume. Writes OUT/rank<r>.json.
 
     python tests/workers/device_collectives_worker.py OUT
 """
