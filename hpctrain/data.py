@@ -12,7 +12,7 @@ size resumes exactly with another. The loaders know nothing of torch.distributed
 No pass over the token ids on the login node, and one at job start at most:
 
     lines = check_before_submission(cfg.data, vocab_size, with_val, hf_sha)  # submit, --dry-run: records only
-    check_ids_at_start(cfg.data, with_val, group, run_dir, heartbeat)         # every rank, before open_sources
+    check_ids_at_start(cfg, group, run_dir, heartbeat)                        # every rank, before open_sources
 
 Submission reads what `data build` recorded beside each file (tokenfiles); a file without a record (or with one
 for another file) is named, with when it will be checked. At job start each such file is scanned by one rank
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from hpctrain import tokenfiles
 from hpctrain.blend import BlendedSamples, BlendLoader
-from hpctrain.config import DataConfig
+from hpctrain.config import Config, DataConfig
 from hpctrain.databuild import EOS, VOCAB_SIZE, decode, encode  # noqa: F401  (the byte tokenizer, kept here)
 from hpctrain.heartbeat import Heartbeat
 from hpctrain.tokenfiles import ArraySource, HDF5Source, TokenSource, check_records, val_file
@@ -222,21 +222,25 @@ def _scan_order(hosts: list[str]) -> list[int]:
     return [rank for _, rank in sorted(place)]
 
 
-def check_ids_at_start(cfg: DataConfig, with_val: bool, group: Any, run_dir: str | os.PathLike | None,
-                       heartbeat: Heartbeat | None = None, round_s: float = 10.0) -> None:
-    """Every rank, collectively, before it opens its sources: the token files (and their validation split, with_val)
-    whose ids no record proves are each scanned by one rank, the ranks taken host by host (_scan_order), and the
-    result cached (beside the file, else the user's cache directory, else RUN_DIR/ids/) and kept in every rank's
-    process (tokenfiles.remember), so open_sources and the evaluator then scan nothing. Nobody waits long in one
-    collective: the scanning ranks scan for round_s, then every rank gathers where the scans are, logs it (rank 0)
-    and moves its heartbeat ("startup" with the progress as detail), round after round. A file that differs between
+def check_ids_at_start(config: Config, group: Any, run_dir: str | os.PathLike | None,
+                       heartbeat: Heartbeat | None = None, round_s: float | None = None) -> None:
+    """Every rank, collectively, before it opens its sources: the token files (and their validation split when
+    train.eval_every) whose ids no record proves are each scanned by one rank, the ranks taken host by host
+    (_scan_order), and the result cached (beside the file, else the user's cache directory, else RUN_DIR/ids/) and
+    kept in every rank's process (tokenfiles.remember), so open_sources and the evaluator then scan nothing. Nobody
+    waits long in one collective: the scanning ranks scan for round_s (10 s, or a quarter of the shortest of
+    parallel.timeout_s and the watchdog's limits), then every rank gathers where the scans are, logs it (rank 0) and
+    moves its heartbeat ("startup" with the progress as detail), round after round. A file that differs between
     ranks (size, first and last MiB or dtype), that some ranks cannot open, or whose scan fails is a ValueError on
     every rank; ids past the vocabulary are then refused by open_sources on every rank alike. `group`: the
     default group, or None outside torch.distributed (one process, which scans itself)."""
+    cfg, p = config.data, config.parallel
     if cfg.source == "synthetic":
         return
+    if round_s is None:
+        round_s = min(10.0, min(p.timeout_s, *(p.hang_limits_s or ())) / 4)
     files = list(cfg.files)
-    if with_val:
+    if config.train.eval_every:
         try:
             files += val_paths(cfg)
         except ValueError:

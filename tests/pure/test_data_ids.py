@@ -2,7 +2,7 @@
 data, tied to the file by its identity; submission and --dry-run read only that record; a file without one is
 named ("one rank checks its N GB at job start") and its ids are checked once at job start
 (data.check_ids_at_start), here in one process. The multi-rank check (one rank scans, the others are sent the
-result): tests/multiproc/test_data_ids.py.
+result): tests/multiproc/test_data_ids_ranks.py.
 
     .venv/bin/python -m pytest -q tests/pure/test_data_ids.py
 """
@@ -196,9 +196,11 @@ def test_job_start_checks_each_file_once_with_progress(tmp_path, monkeypatch, sc
     real_enter = hb.enter
     monkeypatch.setattr(hb, "enter", lambda phase, detail="": details.append(f"{phase}: {detail}") or
                         real_enter(phase, detail))
-    cfg = DataConfig(source="bin", path=str(tmp_path / "tok.bin"), seq_len=8)
+    job = load_config(None, ["data.source=bin", f"data.path={tmp_path / 'tok.bin'}", "data.seq_len=8",
+                             "train.eval_every=10"])
+    cfg = job.data
     with caplog.at_level(logging.INFO, logger="hpctrain.data"):
-        data.check_ids_at_start(cfg, True, None, run_dir, hb, round_s=0.0)
+        data.check_ids_at_start(job, None, run_dir, hb, round_s=0.0)
     assert scans == ["tok.bin", "tok.val.bin"]
     # round_s 0: a slice of each file per round, and a heartbeat move and a log line after each round
     assert len(details) == 20 and all(d.startswith("startup: token ids: ") for d in details), details

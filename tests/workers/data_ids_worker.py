@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_data_ids.py: in one session of 2 gloo ranks, token files with no record from
+"""One rank of tests/multiproc/test_data_ids_ranks.py: in one session of 2 gloo ranks, token files with no record from
 data build are opened the job-start way (data.check_ids_at_start, then open_sources), through the Trainer and
 directly, and this rank records which files it scanned (every call of tokenfiles._scan_ids, slowed here so a scan
 spans several rounds), what it then knows of each file or the error it raised, and its heartbeat's details.
@@ -55,7 +55,7 @@ def main(out: Path, base_port: int) -> None:
 
         def direct(path: Path) -> dict:
             c = load_config(None, base + [f"data.path={path}"])
-            data.check_ids_at_start(c.data, False, dist.group.WORLD, s.run_dir, s.heartbeat, round_s=0.1)
+            data.check_ids_at_start(c, dist.group.WORLD, s.run_dir, s.heartbeat, round_s=0.1)
             checked = len(scans)
             source = data.open_source(c.data, 256)
             return {"max_id": source.max_id, "scans_on_open": len(scans) - checked}

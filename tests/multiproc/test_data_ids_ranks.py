@@ -6,7 +6,7 @@ ranks that wait see progress in their heartbeat, round after round; a file with 
 every rank with the usual message; a file that differs between ranks fails every rank naming both. The one-process
 checks and the login node: tests/pure/test_data_ids.py.
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_data_ids.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_data_ids_ranks.py
 """
 from __future__ import annotations
 
