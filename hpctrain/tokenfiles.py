@@ -402,7 +402,8 @@ class HDF5Source(_PerProcess, TokenSource):
         values = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
         sample = values.pop("ids_sample")
         sample = sample.decode("ascii", "replace") if isinstance(sample, bytes) else sample
-        if (values["num_tokens"] != self.num_tokens
+        if (type(values["num_tokens"]) is not int or values["num_tokens"] != self.num_tokens
+                or not isinstance(sample, str)  # an array attribute, say: crafted, no record
                 or sample != tokens_sample(lambda i, k: dset[i:i + k], self.num_tokens, dset.dtype)):
             return None, STALE_RECORD
         found = _entry_range(values, {})

@@ -212,3 +212,15 @@ def test_job_start_checks_each_file_once_with_progress(tmp_path, monkeypatch, sc
     assert len(scans) == 2
     tokenfiles._checked_here.clear()  # a requeued job: a new process, the same run directory
     assert ArraySource(tmp_path / "tok.bin", scan=False, run_dir=run_dir).max_id == 199 and len(scans) == 2
+
+
+def test_hdf5_attributes_of_the_wrong_shape_are_no_record(texts, tmp_path, scans) -> None:
+    path = tmp_path / "c.h5"
+    build_dataset([texts], path)
+    with h5py.File(path, "r+") as f:
+        f["tokens"].attrs["ids_sample"] = np.arange(3)  # an array where a hash belongs
+    assert HDF5Source(path, scan=False).max_id is None and scans == []
+    with h5py.File(path, "r+") as f:
+        f["tokens"].attrs["ids_sample"] = "0" * 32
+        f["tokens"].attrs["num_tokens"] = np.arange(3)
+    refused(HDF5Source, path, scan=False, fragments=["num_tokens"])  # the record's own check names it
