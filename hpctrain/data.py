@@ -7,26 +7,44 @@ validation loader.
     loader = PrefetchLoader(loader, depth=2, pin_memory=True)   # the same batches, read ahead by a thread
 
 The loader's position is global (samples consumed by all dp ranks together), so a checkpoint taken with one dp
-size resumes exactly with another. This module knows nothing of torch.distributed: ranks come in as ints.
-Reading token files (ArraySource, HDF5Source, their checks and id-scan cache) lives in hpctrain.tokenfiles;
+size resumes exactly with another. The loaders know nothing of torch.distributed: ranks come in as ints.
+
+No pass over the token ids on the login node, and one at job start at most:
+
+    lines = check_before_submission(cfg.data, vocab_size, with_val, hf_sha)  # submit, --dry-run: records only
+    check_ids_at_start(cfg, group, run_dir, heartbeat)                        # every rank, before open_sources
+
+Submission reads what `data build` recorded beside each file (tokenfiles); a file without a record (or with one
+for another file) is named, with when it will be checked. At job start each such file is scanned by one rank
+(spread over nodes), the result cached and sent to every rank (host objects over `group`: gloo in CPU and in
+"cpu:gloo,cuda:nccl" jobs), while the others wait in short rounds that log progress and move their heartbeat.
+Reading token files (ArraySource, HDF5Source, their records and id-scan cache) lives in hpctrain.tokenfiles;
 writing them in hpctrain.databuild (byte level) and hpctrain.tokenized (a tokenizer's).
 """
 from __future__ import annotations
 
+import logging
+import os
 import queue
+import socket
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from hpctrain import tokenfiles
 from hpctrain.blend import BlendedSamples, BlendLoader
-from hpctrain.config import DataConfig
+from hpctrain.config import Config, DataConfig
 from hpctrain.databuild import EOS, VOCAB_SIZE, decode, encode  # noqa: F401  (the byte tokenizer, kept here)
+from hpctrain.heartbeat import Heartbeat
 from hpctrain.tokenfiles import ArraySource, HDF5Source, TokenSource, check_records, val_file
+
+log = logging.getLogger(__name__)
 
 # --- token sources (files: hpctrain.tokenfiles) ----------------------------------------------------------
 
@@ -72,7 +90,8 @@ class SyntheticSource(TokenSource):
         return joined[start - first * self.CHUNK:stop - first * self.CHUNK]
 
 
-def _open_file(cfg: DataConfig, path_text: str, key: str) -> TokenSource:
+def _open_file(cfg: DataConfig, path_text: str, key: str, scan: bool = True,
+               run_dir: str | os.PathLike | None = None) -> TokenSource:
     path = Path(path_text)
     if not path.is_file():
         raise ValueError(f"{key} = {path_text!r} does not exist")
@@ -81,13 +100,14 @@ def _open_file(cfg: DataConfig, path_text: str, key: str) -> TokenSource:
         raise ValueError(f"{key} = {path_text!r} does not fit data.source = {cfg.source!r} "
                          f"(hdf5 reads .h5/.hdf5, bin reads .bin/.npy)")
     try:
-        return HDF5Source(path) if is_hdf5 else ArraySource(path)
+        return (HDF5Source if is_hdf5 else ArraySource)(path, scan=scan, run_dir=run_dir)
     except OSError as e:
         raise ValueError(f"{key} = {path_text!r} cannot be read as {cfg.source}: {e}") from None
 
 
 def _check_source(source: TokenSource, name: str, vocab_size: int, seq_len: int) -> TokenSource:
-    if source.max_id >= vocab_size:
+    """The source against the model; its ids only when known (max_id None: left for the job's start)."""
+    if source.max_id is not None and source.max_id >= vocab_size:
         raise ValueError(f"{name} holds token ids up to {source.max_id} but model.vocab_size = {vocab_size}: "
                          f"every id must be < vocab_size")
     if source.vocab_size > vocab_size:
@@ -100,17 +120,19 @@ def _check_source(source: TokenSource, name: str, vocab_size: int, seq_len: int)
 
 
 def open_sources(cfg: DataConfig, vocab_size: int, seed: int = 0, hf_tokenizer_sha256: str | None = None,
-                 files: list[str] | None = None) -> list[TokenSource]:
+                 files: list[str] | None = None, scan: bool = True) -> list[TokenSource]:
     """Every token source [data] describes (data.paths, or data.path, or the synthetic stream), each checked
     against the model (ids fit its vocab, one sequence fits) and all against one another (one tokenizer, and the
-    HF directory's when given: tokenfiles.check_records). `files` replaces the configured ones (validation)."""
+    HF directory's when given: tokenfiles.check_records). `files` replaces the configured ones (validation).
+    scan=False reads no token id: a file no record describes comes back with max_id None, its ids unchecked."""
     if cfg.source == "synthetic":
         return [_check_source(SyntheticSource(vocab_size, seed), "synthetic data", vocab_size, cfg.seq_len)]
     keys = ([f"data.paths[{i}]" for i in range(len(cfg.paths))] if cfg.paths else ["data.path"]) \
         if files is None else [f"validation file {i}" for i in range(len(files))]
     sources = []
     for key, path in zip(keys, cfg.files if files is None else files):
-        sources.append(_check_source(_open_file(cfg, path, key), f"{key} = {path!r}", vocab_size, cfg.seq_len))
+        sources.append(_check_source(_open_file(cfg, path, key, scan), f"{key} = {path!r}", vocab_size,
+                                     cfg.seq_len))
     check_records(sources, vocab_size, hf_tokenizer_sha256)
     return sources
 
@@ -133,19 +155,185 @@ def make_loader(cfg: DataConfig, sources: list[TokenSource], micro_batch_size: i
 VAL_SEED_OFFSET = 1_000_003  # synthetic validation data: a stream no training seed of a run draws
 
 
-def open_val_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
-    """The validation split train.eval_every evaluates: data.val_path when set, else the "<stem>.val<suffix>"
-    file beside data.path, or beside each of data.paths, blended in order with data.weights (BlendedSamples);
-    for synthetic data the same generator on another seed. Checked as open_sources checks."""
-    if cfg.source == "synthetic":
-        return open_source(cfg, vocab_size, seed + VAL_SEED_OFFSET)
+def val_paths(cfg: DataConfig) -> list[str]:
+    """The validation files of a file-backed [data]: data.val_path when set, else "<stem>.val<suffix>" beside
+    data.path or each of data.paths; a missing one is a ValueError saying how to make it."""
     files = [cfg.val_path] if cfg.val_path else [val_file(p) for p in cfg.files]
     for path in files:
         if not Path(path).is_file():
             raise ValueError(f"validation split {path!r} does not exist: set data.val_path, or build the data with "
                              f"`hpctrain data build --val-fraction`, or set train.eval_every = 0")
-    sources = open_sources(cfg, vocab_size, seed, files=files)
+    return files
+
+
+def open_val_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
+    """The validation split train.eval_every evaluates: val_paths' files, several blended in order with
+    data.weights (BlendedSamples); for synthetic data the same generator on another seed. Checked as open_sources
+    checks."""
+    if cfg.source == "synthetic":
+        return open_source(cfg, vocab_size, seed + VAL_SEED_OFFSET)
+    sources = open_sources(cfg, vocab_size, seed, files=val_paths(cfg))
     return sources[0] if len(sources) == 1 else BlendedSamples(sources, cfg.shares, cfg.seq_len)
+
+
+def _size_text(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if num_bytes >= scale / 10:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes / 1e3:.1f} kB"
+
+
+def check_before_submission(cfg: DataConfig, vocab_size: int, with_val: bool,
+                            hf_tokenizer_sha256: str | None = None) -> list[str]:
+    """What open_sources (and open_val_source, with_val) check, on the login node, reading no token id: the
+    files, their sidecars, shapes and tokenizer records, and each file's ids where a record proves them (data
+    build's, or an earlier job's check). ValueError as open_sources. Returns a line for each file whose ids are
+    left for the job's start (check_ids_at_start)."""
+    sources = open_sources(cfg, vocab_size, hf_tokenizer_sha256=hf_tokenizer_sha256, scan=False)
+    if with_val and cfg.source != "synthetic":
+        sources += open_sources(cfg, vocab_size, files=val_paths(cfg), scan=False)
+    lines = {}
+    for s in sources:
+        if s.max_id is None:
+            lines[s.name] = (f"{s.name}: {s.unchecked}; one rank checks its {_size_text(s.path.stat().st_size)} of "
+                             f"token ids at job start")
+    return list(lines.values())
+
+
+def _file_view(cfg: DataConfig, path: str, run_dir: str | os.PathLike | None) -> tuple[Any, TokenSource | None]:
+    """One rank's view of a token file at job start, for its peers: (size, sample, dtype, max_id or None), or the
+    error opening it gives."""
+    try:
+        src = _open_file(cfg, path, f"data file {path!r}", scan=False, run_dir=run_dir)
+    except ValueError as e:
+        return str(e), None
+    key = src.identity
+    return (key["size"], key["sample"], key["dtype"], src.max_id), src
+
+
+def _scan_order(hosts: list[str]) -> list[int]:
+    """Ranks in the order files are handed out to be scanned: the first rank of every host, then the second...,
+    so that several files are read by several nodes."""
+    seen: dict[str, int] = {}
+    place = []
+    for rank, host in enumerate(hosts):
+        place.append((seen.get(host, 0), rank))
+        seen[host] = seen.get(host, 0) + 1
+    return [rank for _, rank in sorted(place)]
+
+
+def check_ids_at_start(config: Config, group: Any, run_dir: str | os.PathLike | None,
+                       heartbeat: Heartbeat | None = None, round_s: float | None = None) -> None:
+    """Every rank, collectively, before it opens its sources: the token files (and their validation split when
+    train.eval_every) whose ids no record proves are each scanned by one rank, the ranks taken host by host
+    (_scan_order), and the result cached (beside the file, else the user's cache directory, else RUN_DIR/ids/) and
+    kept in every rank's process (tokenfiles.remember), so open_sources and the evaluator then scan nothing. Nobody
+    waits long in one collective: the scanning ranks scan for round_s (10 s, or a quarter of the shortest of
+    parallel.timeout_s and the watchdog's limits), then every rank gathers where the scans are, logs it (rank 0) and
+    moves its heartbeat ("startup" with the progress as detail), round after round. A file that differs between
+    ranks (size, first and last MiB or dtype), that some ranks cannot open, or whose scan fails is a ValueError on
+    every rank; ids past the vocabulary are then refused by open_sources on every rank alike. `group`: the
+    default group, or None outside torch.distributed (one process, which scans itself)."""
+    cfg, p = config.data, config.parallel
+    if cfg.source == "synthetic":
+        return
+    if round_s is None:
+        round_s = min(10.0, min(p.timeout_s, *(p.hang_limits_s or ())) / 4)
+    files = list(cfg.files)
+    if config.train.eval_every:
+        try:
+            files += val_paths(cfg)
+        except ValueError:
+            pass  # open_val_source says so on every rank
+    files = list(dict.fromkeys(files))
+    on = group is not None and dist.is_initialized()
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        if on:
+            dist.all_gather_object(out, obj, group=group)
+        else:
+            out[0] = obj
+        return out
+
+    opened = [_file_view(cfg, path, run_dir) for path in files]
+    hosts, views = zip(*gather((socket.gethostname(), [view for view, _ in opened])))
+    todo, ranges = [], {}
+    for i, path in enumerate(files):
+        column = [v[i] for v in views]
+        failed = [r for r, v in enumerate(column) if isinstance(v, str)]
+        if failed and len(failed) < world:
+            ok = next(r for r in range(world) if r not in failed)
+            raise ValueError(f"rank {failed[0]} ({hosts[failed[0]]}): {column[failed[0]]}; rank {ok} "
+                             f"({hosts[ok]}) opens it: every rank must see the same data")
+        if failed:
+            continue  # every rank fails alike in open_sources
+        for r, v in enumerate(column):
+            if v[:3] != column[0][:3]:
+                raise ValueError(f"{path}: rank {r} ({hosts[r]}) reads {v[0]} bytes of {v[2]} (first and last MiB "
+                                 f"hashed {v[1][:12]}), rank 0 ({hosts[0]}) {column[0][0]} bytes of {column[0][2]} "
+                                 f"({column[0][1][:12]}): every rank must read the same file")
+        known = next((v[3] for v in column if v[3] is not None), None)
+        if known is None:
+            todo.append(i)
+        else:
+            ranges[i] = (0, known)  # a known range was checked to have no negative id
+    order = _scan_order(list(hosts))
+    scanner = {i: order[j % world] for j, i in enumerate(todo)}
+    if todo and rank == 0:
+        for i in todo:
+            log.info("%s: %s; rank %d (%s) checks its %s of token ids now, once for every rank", files[i],
+                     opened[i][1].unchecked, scanner[i], hosts[scanner[i]],
+                     _size_text(opened[i][1].identity["size"]))
+    scans = {i: tokenfiles._scan_ids(opened[i][1]) for i in todo if scanner[i] == rank}
+    state: dict[int, list[Any]] = {i: [0, 0, -1, None] for i in scans}  # tokens read, low, high, error
+    finished: set[int] = set()
+    t0 = time.monotonic()
+    while todo:
+        deadline = time.monotonic() + round_s
+        for i, it in scans.items():
+            while i not in finished:  # a slice of each file at least, then until the round's end
+                try:
+                    step = next(it, None)
+                except (ValueError, OSError) as e:
+                    state[i][3] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+                    finished.add(i)
+                    break
+                if step is not None:
+                    state[i][:3] = step
+                if step is None or step[0] == opened[i][1].num_tokens:
+                    finished.add(i)
+                    src = opened[i][1]
+                    entry = src.identity | {"min_id": state[i][1], "max_id": state[i][2]}
+                    where = tokenfiles.write_cache(src.path, entry, run_dir)
+                    log.info("%s: token ids checked in %.1f s (largest %d), result kept in %s", files[i],
+                             time.monotonic() - t0, state[i][2], where or "no writable place")
+                elif time.monotonic() >= deadline:
+                    break
+        reports: dict[int, Any] = {}
+        for report in gather({i: (state[i], i in finished) for i in scans}):
+            reports.update(report)
+        for i in todo:
+            (done, low, high, error), end = reports[i]
+            if error is not None:
+                raise ValueError(f"checking the token ids of {files[i]} on rank {scanner[i]}: {error}")
+            if end:
+                ranges[i] = (low, high)
+        read = sum(reports[i][0][0] * np.dtype(opened[i][1].identity["dtype"]).itemsize for i in todo)
+        total = sum(opened[i][1].identity["size"] for i in todo)
+        left = sum(i not in ranges for i in todo)
+        detail = f"token ids: {_size_text(read)} of {_size_text(total)} checked, {left} of {len(todo)} files left"
+        if heartbeat is not None:
+            heartbeat.enter("startup", detail)  # progress: the watchdog's clock starts again
+        if rank == 0:
+            log.info("%s (%.0f s)", detail, time.monotonic() - t0)
+        if not left:
+            break
+    for i, (low, high) in ranges.items():
+        src = opened[i][1]
+        if src is not None and src.max_id is None:
+            tokenfiles.remember(src.path, src.identity | {"min_id": low, "max_id": high})
 
 
 # --- loader -----------------------------------------------------------------------------------------------

@@ -5,8 +5,10 @@
     python -m hpctrain.databuild data/notes.h5 notes/ a.txt   # any text files or directories
 
 The formats are the ones hpctrain.tokenfiles reads: .bin or .npy with a `<out>.json` sidecar, or HDF5 (dataset
-"tokens", the record in its attributes). Files are read in pieces and tokens written as they come: memory stays
-bounded whatever the size of a file. Tokenizer-built datasets (BPE): hpctrain.tokenized. No torch here.
+"tokens", the record in its attributes). The record includes the range of the ids written, tied to the file it
+describes (write_token_file), so submission and job start check the ids without reading them. Files are read
+in pieces and tokens written as they come: memory stays bounded whatever the size of a file. Tokenizer-built
+datasets (BPE): hpctrain.tokenized. No torch here.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import h5py
 import numpy as np
 
 from hpctrain.fsutil import replacing, write_atomic
+from hpctrain.tokenfiles import file_identity
 
 # --- tokenizer --------------------------------------------------------------------------------------------
 
@@ -81,11 +84,11 @@ def _input_files(inputs: list[Path]) -> list[Path]:
 READ_BYTES = 1 << 20  # a file is read, checked and written in pieces of this size: memory never holds a whole file
 
 
-def _append_text(path: Path, sink: BinaryIO, separator: bool) -> int | None:
+def _append_text(path: Path, sink: BinaryIO, separator: bool) -> tuple[int, int] | None:
     """Appends the file's bytes to `sink` as uint16 tokens, preceded by EOS when `separator`; returns how many bytes
-    of text it held, or None when it is unreadable or not text (not UTF-8, or holding NUL), after cutting `sink`
-    back to where it was. Read in pieces: the whole file is never in memory."""
-    start, n = sink.tell(), 0
+    of text it held and the largest, or None when it is unreadable or not text (not UTF-8, or holding NUL), after
+    cutting `sink` back to where it was. Read in pieces: the whole file is never in memory."""
+    start, n, high = sink.tell(), 0, 0
     check = codecs.getincrementaldecoder("utf-8")()  # strict: the same verdict as decoding the whole file
     try:
         with open(path, "rb") as f:
@@ -95,25 +98,31 @@ def _append_text(path: Path, sink: BinaryIO, separator: bool) -> int | None:
                     raise UnicodeError("NUL")
                 if separator and n == 0:
                     sink.write(np.array([EOS], dtype="<u2").tobytes())
-                sink.write(np.frombuffer(chunk, dtype=np.uint8).astype("<u2").tobytes())
-                n += len(chunk)
+                ids = np.frombuffer(chunk, dtype=np.uint8)
+                sink.write(ids.astype("<u2").tobytes())
+                n, high = n + len(chunk), max(high, int(ids.max()))
         check.decode(b"", final=True)  # a character cut off at the end
     except (OSError, UnicodeError):
         sink.seek(start)
         sink.truncate()
         return None
-    return n
+    return n, high
 
 
 def write_token_file(raw: Path, out: Path, record: dict[str, Any], attrs: tuple[str, ...]) -> int:
     """Makes `out` from `raw`, a file of little-endian token ids of record["dtype"] (record["num_tokens"] of them),
     in the format out's suffix picks, with `record` as its sidecar (.bin, .npy) or the `attrs` keys of it as the
     HDF5 dataset's attributes; returns out's size. `raw` is consumed: .bin takes it by rename, .npy puts a header
-    before a copy, HDF5 copies it into a chunked dataset in pieces. Nothing is ever held whole in memory."""
+    before a copy, HDF5 copies it into a chunked dataset in pieces. Nothing is ever held whole in memory.
+
+    record["min_id"] and record["max_id"], when given (the range of the ids written: the builder saw each), become
+    the record of the ids that spares every later reader a scan (hpctrain.tokenfiles): the sidecar's "ids" entry,
+    naming the finished file by tokenfiles.file_identity (taken before its rename, which keeps size and mtime), or
+    the attributes min_id, max_id and ids_sample (the hash of the tokens' first and last MiB) of an HDF5 dataset."""
     dtype = np.dtype(record["dtype"]).newbyteorder("<")
     n = record["num_tokens"]
-    if out.suffix in (".bin", ".npy"):
-        write_atomic(Path(f"{out}.json"), json.dumps(record, indent=1) + "\n")
+    ids = {k: record[k] for k in ("min_id", "max_id") if k in record}
+    sidecar = {k: v for k, v in record.items() if k not in ids}
     with replacing(out) as tmp:
         if out.suffix == ".bin":
             os.replace(raw, tmp)
@@ -131,6 +140,12 @@ def write_token_file(raw: Path, out: Path, record: dict[str, Any], attrs: tuple[
                     dset[i:i + step] = np.frombuffer(src.read(step * dtype.itemsize), dtype=dtype)
                 for key in attrs:
                     dset.attrs[key] = record[key]
+                if ids:  # raw holds the tokens as little-endian bytes: its sample is theirs
+                    dset.attrs.update(ids | {"num_tokens": n, "ids_sample": file_identity(raw)["sample"]})
+        if out.suffix in (".bin", ".npy"):
+            if ids:
+                sidecar["ids"] = file_identity(tmp) | {"dtype": dtype.str} | ids
+            write_atomic(Path(f"{out}.json"), json.dumps(sidecar, indent=1) + "\n")
     return out.stat().st_size
 
 
@@ -150,19 +165,21 @@ def build_dataset(inputs: list[Path], out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_name(f".{out.name}.{os.getpid()}.raw")
     docs = skipped = tokens = 0
+    high = EOS  # the largest id written
     try:
         with open(raw, "wb") as sink:
             for path in files:
-                n = _append_text(path, sink, separator=docs > 0)
-                if n is None:
+                got = _append_text(path, sink, separator=docs > 0)
+                if got is None:
                     skipped += 1
-                elif n:
-                    tokens += n + (docs > 0)
+                elif got[0]:
+                    tokens += got[0] + (docs > 0)
                     docs += 1
+                    high = max(high, got[1])
         if not docs:
             raise ValueError(f"no readable text in {[str(p) for p in inputs]} ({skipped} files skipped)")
         record = {"dtype": "uint16", "byteorder": "little", "num_tokens": tokens, "vocab_size": VOCAB_SIZE,
-                  "tokenizer": "bytes"}
+                  "tokenizer": "bytes", "min_id": EOS, "max_id": high}
         size = write_token_file(raw, out, record, attrs=("vocab_size", "tokenizer", "num_tokens"))
     finally:
         raw.unlink(missing_ok=True)

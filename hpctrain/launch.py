@@ -211,16 +211,18 @@ def hf_tokenizer_sha256(cfg: Config) -> str | None:
 def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
     """The job's plan (layout and topology for nodes x tasks_per_node under block placement; the model and batch
     when it trains) and its data, refused here on the login node. strict_data=False (dry runs) only warns about
-    the dataset, which may live on a file system this machine does not see."""
+    the dataset, which may live on a file system this machine does not see. The data is checked from its records
+    alone (data.check_before_submission): no token id is read here, and a file without a record is named with when
+    its ids will be checked (at job start, by one rank)."""
     plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
     if plan.training:
         for note in plan.notes:
             echo(note)
         from hpctrain import data
         try:
-            data.open_sources(cfg.data, plan.dims.true_vocab_size, hf_tokenizer_sha256=hf_tokenizer_sha256(cfg))
-            if cfg.train.eval_every:
-                data.open_val_source(cfg.data, plan.dims.true_vocab_size)
+            for line in data.check_before_submission(cfg.data, plan.dims.true_vocab_size, cfg.train.eval_every > 0,
+                                                     hf_tokenizer_sha256(cfg)):
+                echo(line)
         except ValueError as e:
             if strict_data:
                 raise

@@ -10,7 +10,8 @@ by `workers` processes in parallel and written in input order, so the output is 
 of workers. A document goes to the validation split ("<stem>.val<suffix>" beside OUT) when a hash of (seed, its
 index) falls below val_fraction: the same documents whatever the workers or formats. Ids are uint16 when the
 vocabulary fits (<= 65536), else uint32. The record (sidecar JSON or HDF5 attributes) holds the tokenizer's
-sha256, vocab size, EOS id and the document count, and a copy of tokenizer.json goes beside OUT
+sha256, vocab size, EOS id, the document count and the range of ids written (tied to the file by its identity:
+databuild.write_token_file), and a copy of tokenizer.json goes beside OUT
 (tokenfiles.tokenizer_file), so a run records and checks which tokenizer made its data. Everything is written
 under temporary names and renamed.
 
@@ -340,9 +341,12 @@ class _Splits:
     """The train and validation token streams being written: each document whole to the split its index picks,
     followed by EOS."""
 
-    def __init__(self, sinks: dict[str, BinaryIO], eos: bytes, seed: int, val_fraction: float) -> None:
-        self.sinks, self.eos, self.seed, self.val_fraction = sinks, eos, seed, val_fraction
+    def __init__(self, sinks: dict[str, BinaryIO], eos_id: int, dtype: np.dtype, seed: int,
+                 val_fraction: float) -> None:
+        self.sinks, self.dtype, self.seed, self.val_fraction = sinks, dtype, seed, val_fraction
+        self.eos_id, self.eos = eos_id, np.asarray([eos_id], dtype=dtype).tobytes()
         self.counts = {split: [0, 0] for split in sinks}  # documents, tokens
+        self.max_id = {split: -1 for split in sinks}  # the largest id written: data build's record of the ids
         self.index = 0  # documents written so far, over all files
 
     def take(self, pieces: Iterable[tuple[bytes, int, bool]]) -> tuple[int, int]:
@@ -355,8 +359,11 @@ class _Splits:
             self.sinks[split].write(data)
             tokens += n
             self.counts[split][1] += n
+            if n:  # a pass over tokens already in memory: cheap beside encoding them
+                self.max_id[split] = max(self.max_id[split], int(np.frombuffer(data, dtype=self.dtype).max()))
             if last:
                 self.sinks[split].write(self.eos)
+                self.max_id[split] = max(self.max_id[split], self.eos_id)
                 self.counts[split][0] += 1
                 self.counts[split][1] += 1
                 self.index += 1
@@ -431,8 +438,7 @@ def build_tokenized(inputs: list[Path], out: Path, tokenizer: Path, field: str =
     show = Progress(len(files)) if progress is None else None
     try:
         with open(raws["train"], "wb") as train_f, open(raws["val"], "wb") as val_f:
-            splits = _Splits({"train": train_f, "val": val_f}, np.asarray([eos_token], dtype=dtype).tobytes(), seed,
-                             val_fraction)
+            splits = _Splits({"train": train_f, "val": val_f}, eos_token, dtype, seed, val_fraction)
             if workers > 1 and len(files) > 1:
                 _encode_in_pool([(str(f), field, max_line_mib, piece_chars, part, dtype.str)
                                  for f, part in zip(files, parts)], min(workers, len(files)),
@@ -453,13 +459,14 @@ def build_tokenized(inputs: list[Path], out: Path, tokenizer: Path, field: str =
                              f"validation split; raise it or give more documents")
         base = {"dtype": dtype.name, "byteorder": "little", "vocab_size": vocab,
                 "tokenizer": _model_type(tok_raw, tokenizer), "tokenizer_sha256": sha, "eos_id": eos_token}
-        size = _finish(raws["train"], out, base | {"num_tokens": counts["train"][1],
-                                                    "num_docs": counts["train"][0], "split": "train"})
+        size = _finish(raws["train"], out, base | {"num_tokens": counts["train"][1], "num_docs": counts["train"][0],
+                                                    "split": "train", "min_id": 0, "max_id": splits.max_id["train"]})
         val_path = None
         if val_fraction > 0:
             val_path = Path(val_file(str(out)))
             size += _finish(raws["val"], val_path, base | {"num_tokens": counts["val"][1],
-                                                           "num_docs": counts["val"][0], "split": "val"})
+                                                           "num_docs": counts["val"][0], "split": "val",
+                                                           "min_id": 0, "max_id": splits.max_id["val"]})
         write_atomic(tokenizer_file(out), tok_raw)  # the bytes hashed above, whatever the file holds by now
     finally:
         for path in [*raws.values(), *(f"{p}.{end}" for p in parts for end in ("ids", "lens"))]:

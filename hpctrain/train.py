@@ -140,6 +140,8 @@ class Trainer:
         self.optimizer = optim.build_optimizer(self.pm.model, cfg.train, self.lr, zero_group)
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
+        # files no record describes: scanned once, by one rank, before any rank opens them
+        data.check_ids_at_start(cfg, dist.group.WORLD, s.run_dir, s.heartbeat)
         sources = data.open_sources(cfg.data, self.pm.dims.true_vocab_size, seed=cfg.train.seed)
         loader = data.make_loader(cfg.data, sources, self.micro_batch, s.mesh.dp_rank, layout.dp, cfg.train.seed)
         self.loader = (data.PrefetchLoader(loader, cfg.train.prefetch, pin_memory=self.device.type == "cuda")

@@ -19,7 +19,7 @@ from helpers import REPO, refused
 from hpctrain.config import DataConfig
 from hpctrain.data import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source
 from hpctrain.databuild import build_dataset, project_corpus_inputs
-from hpctrain.tokenfiles import ArraySource, HDF5Source
+from hpctrain.tokenfiles import ArraySource, HDF5Source, file_identity
 
 SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}
 
@@ -177,14 +177,19 @@ def test_vocab_too_big_for_the_model_names_both_numbers(texts, tmp_path):
     assert open_source(cfg, 1000).vocab_size == 1000
 
 
-def test_id_scan_cache_sits_beside_the_file_and_matches_it(texts, tmp_path):
+def test_data_build_records_the_ids_and_a_scan_caches_them_beside_the_file(texts, tmp_path):
     build_dataset([texts], tmp_path / "c.bin")
     source = open_source(DataConfig(source="bin", path=str(tmp_path / "c.bin"), seq_len=4), 256)
-    cache = json.loads((tmp_path / "c.bin.ids.json").read_text())
+    ids = json.loads((tmp_path / "c.bin.json").read_text())["ids"]  # data build's record: no scan, no cache
     st = (tmp_path / "c.bin").stat()
-    assert cache == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": "<u2", "min_id": 0,
-                     "max_id": source.max_id}
-    assert source.max_id == int(source.read(0, len(source)).max())
+    sample = file_identity(tmp_path / "c.bin")["sample"]
+    assert ids == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": sample, "dtype": "<u2", "min_id": 0,
+                   "max_id": source.max_id}
+    assert source.max_id == int(source.read(0, len(source)).max()) and not (tmp_path / "c.bin.ids.json").exists()
+    (tmp_path / "raw.bin").write_bytes((tmp_path / "c.bin").read_bytes())  # no sidecar: scanned once, cached
+    source = open_source(DataConfig(source="bin", path=str(tmp_path / "raw.bin"), seq_len=4), 256)
+    cache = json.loads((tmp_path / "raw.bin.ids.json").read_text())
+    assert cache == file_identity(tmp_path / "raw.bin") | {"dtype": "<u2", "min_id": 0, "max_id": source.max_id}
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
