@@ -8,7 +8,8 @@ ARGS ?=
 # the tests to run: every tier by default; one tier with TESTS=tests/pure (or tests/multiproc, tests/cluster)
 TESTS ?= tests
 # torch is pinned to the local CPU wheel only when the virtualenv has no torch at all; on a cluster, make the
-# venv with VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead.
+# venv with VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead: tools/install.py keeps a site
+# torch at or above setup.cfg's floor, refuses an older one (or none) with the fix, and never lets pip replace it.
 TORCH_SPEC ?= torch==2.13.0
 # The mpich wheel gives mpi4py an MPI where the machine has none; with a site MPI (mpicc on PATH) it is skipped.
 MPI_WHEEL ?= $(if $(shell command -v mpicc 2>/dev/null),,mpich)
@@ -18,10 +19,9 @@ STAMP := $(VENV)/.hpctrain-installed
 
 install: $(STAMP)
 
-$(STAMP): setup.py setup.cfg
+$(STAMP): setup.py setup.cfg tools/install.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,hf]" $(MPI_WHEEL)
+	$(BIN)/python tools/install.py --torch-spec "$(TORCH_SPEC)" $(if $(filter file,$(origin TORCH_SPEC)),,--asked) $(MPI_WHEEL)
 	touch $(STAMP)
 
 test: install data/corpus.bin

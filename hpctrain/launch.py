@@ -144,6 +144,25 @@ def check_mpi(cfg: Config, echo=print) -> None:
              f"({problem}); if the compute nodes are the same, every task will fail to start")
 
 
+# srun options of every GPU job, before job.srun_args (srun takes the last of a repeated option, so a site
+# overrides them there):
+# --cpu-bind=cores: each task's threads stay on the job.cpus_per_task cores Slurm gave it, instead of wandering
+#   over the node (--cpu-bind=none) away from the memory they touched and from their GPU's socket;
+# --distribution=block:block: consecutive tasks of a node take their cores from the same socket until it is full,
+#   so local ranks 0-3 of 8 sit on the first socket and 4-7 on the second, the order in which common 8-GPU nodes
+#   number their GPUs and NICs (bind_device gives local rank i GPU i). Slurm's default (block:cyclic) puts
+#   consecutive tasks on alternate sockets: half the ranks would drive a GPU and NIC across the socket link.
+#   A task keeps to one socket when job.cpus_per_task x the tasks per socket fills it (the node's cores divided by
+#   job.tasks_per_node); `nvidia-smi topo -m` shows each GPU's CPUs.
+# Not Slurm's GPU binding (--gpu-bind, --gpus-per-task): where the site constrains devices per task with cgroups, a
+# rank cannot open its peers' GPUs and NCCL loses NVLink peer-to-peer within the node.
+GPU_SRUN_ARGS = ("--cpu-bind=cores", "--distribution=block:block")
+# Shell lines before job.setup in every GPU job: the caching allocator maps memory in growing segments instead of
+# fixed blocks, so varying sizes (activations, FSDP's gathers) fragment less near the memory limit. A value in the
+# submission's environment (sbatch passes it on) or set by job.setup wins.
+GPU_SETUP = ("export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",)
+
+
 def slurm_parameters(cfg: Config) -> dict[str, Any]:
     """[job] -> submitit SlurmExecutor parameters (sbatch option names).
 
@@ -154,14 +173,16 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
       srun line rather than SRUN_CPUS_PER_TASK in the setup lines: every srun version reads the option (only
       22.05+ read the variable), it shows in the script next to the #SBATCH line it repeats, and it reaches
       this one step only, not other sruns the setup lines may run;
-    --mpi=job.mpi (the one place for the plugin, so that check_mpi checks what srun gets)."""
+    --mpi=job.mpi (the one place for the plugin, so that check_mpi checks what srun gets);
+    and for GPU jobs, GPU_SRUN_ARGS and GPU_SETUP (below)."""
     j = cfg.job
+    gpu = j.gpus_per_node > 0
     params: dict[str, Any] = {
         "job_name": j.name, "nodes": j.nodes, "ntasks_per_node": j.tasks_per_node,
         "cpus_per_task": j.cpus_per_task, "time": j.time_min, "signal_delay_s": j.signal_delay_s,
         "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={j.cpus_per_task}",
-                      *([f"--mpi={j.mpi}"] if j.mpi else []), *j.srun_args],
-        "setup": list(j.setup), "stderr_to_stdout": False,
+                      *([f"--mpi={j.mpi}"] if j.mpi else []), *(GPU_SRUN_ARGS if gpu else []), *j.srun_args],
+        "setup": [*(GPU_SETUP if gpu else []), *j.setup], "stderr_to_stdout": False,
         # None, not "": submitit writes --wckey=submitit by default and --wckey='' for an empty string
         "wckey": j.wckey or None,
     }

@@ -9,6 +9,7 @@ rate is reported beside it (`mfu_gemm`): no kernel reaches the datasheet figure,
 
     gemm = gemm_probe(device, torch.bfloat16)                        # {"tflops", "n", "dtype"}
     peak = choose_peak(device_name(device), matmul_dtype("bf16", tf32=True), configured=0.0, gemm=gemm)
+    log.info("%s", describe_peak(peak, gemm, device_name(device)))   # rates in the unit that fits (GFLOP/s on CPUs)
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def matmul_dtype(precision: str, tf32: bool) -> str:
 
 @dataclass(frozen=True)
 class Peak:
-    tflops: float  # per rank; 0.0 when nothing is known (MFU then reads 0)
+    tflops: float  # per rank; 0.0 when nothing is known, a probe that read 0 included (MFU then reads 0)
     source: str  # what the figure is, for every row and the summary
 
 
@@ -93,11 +94,27 @@ def choose_peak(name: str | None, dtype: str, configured: float, gemm: dict[str,
         return Peak(configured, "config: train.peak_tflops")
     if part and dtype in DATASHEET_TFLOPS[part]:
         return Peak(DATASHEET_TFLOPS[part][dtype], f"datasheet: {part} {dtype} dense")
-    if gemm:
+    if gemm and gemm["tflops"] > 0:
         why = (f"{part} has no {dtype} figure" if part else
                "a CPU" if name is None else f"{name!r} is not in the datasheet table")
         return Peak(gemm["tflops"], f"measured: {gemm['dtype']} GEMM {gemm['n']}^3 ({why})")
-    return Peak(0.0, "none")
+    return Peak(0.0, "none: the GEMM probe read 0" if gemm else "none")
+
+
+def flop_rate(tflops: float) -> str:
+    """A rate given in TFLOP/s, in the unit that fits: a CPU's 0.08 TFLOP/s is "80.0 GFLOP/s", not "0.1 TFLOP/s"
+    (or "0.0" under load, which hid a probe that read 4 GFLOP/s against a 75 GFLOP/s step: MFU 1875%)."""
+    for scale, unit in ((1.0, "TFLOP/s"), (1e-3, "GFLOP/s"), (1e-6, "MFLOP/s")):
+        if tflops >= scale:
+            return f"{tflops / scale:.1f} {unit}"
+    return f"{tflops * 1e12:.0f} FLOP/s"
+
+
+def describe_peak(peak: Peak, gemm: dict[str, Any], name: str | None) -> str:
+    """The line a run logs once before its first step: what MFU is against, and the probe's measured rate."""
+    against = f"{flop_rate(peak.tflops)} per rank ({peak.source})" if peak.tflops else f"nothing ({peak.source})"
+    return (f"MFU against {against}; measured {gemm['dtype']} GEMM {gemm['n']}^3 on {name or 'CPU'}: "
+            f"{flop_rate(gemm['tflops'])}")
 
 
 def probe_size(device_type: str, dtype: torch.dtype) -> int:
@@ -239,7 +256,7 @@ class TrainLog:
         tflops = tps * self.flops_per_token / self.world / 1e12
         row = host_values(row) | dict(
             tokens_per_s=tps, tflops_per_rank=tflops, mfu=tflops / self.peak.tflops if self.peak.tflops else 0.0,
-            mfu_gemm=tflops / self.gemm["tflops"], peak_source=self.peak.source,
+            mfu_gemm=tflops / self.gemm["tflops"] if self.gemm["tflops"] > 0 else None, peak_source=self.peak.source,
             peak_mem_gb=peak_memory_bytes(self.device) / 1e9, tokens_seen=tokens_seen,
             time_s=time.time() - self.log_file.t0)
         if ranks is not None:

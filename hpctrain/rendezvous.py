@@ -7,7 +7,8 @@ torch.distributed on top of it.
 
 Under MPI the ranks first check that MPI's world is the one the launcher started (check_mpi_world), agree on node
 identity by gathering node names (`SLURMD_NODENAME` when Slurm runs several slurmd on one host, else the host
-name), and rank 0 broadcasts a TCPStore address it has bound. Launchers without MPI hand out identity in
+name), and rank 0 broadcasts a TCPStore address it has bound (on the mpich wheel, MPICH's network module is set to
+OFI before MPI starts unless the user chose one: mpi_environment). Launchers without MPI hand out identity in
 environment variables (tables below); rank 0 then publishes the store address in a file in rendezvous_dir, a
 directory every rank sees (session.start passes the run directory when it is given, else
 <job.run_root>/.rendezvous). torchrun brings its own MASTER_ADDR/MASTER_PORT; a single process needs no store.
@@ -45,11 +46,13 @@ this on CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,12 +66,15 @@ from hpctrain.untrusted import read_json
 log = logging.getLogger(__name__)
 
 # Variables whose presence says which launcher started this process, in order of precedence. torchrun comes
-# before Slurm because `srun torchrun` workers see both; MPI first because `srun --mpi=pmi2` tasks do too.
-# A launcher is recognised when every variable of one of its marker sets is present. A stray MASTER_PORT in a
-# job script is not enough for torchrun: it takes TORCHELASTIC_RUN_ID or the full env:// set.
+# first: its workers inherit everything the process that started torchrun had, so `srun torchrun` workers see
+# Slurm's variables and, under an srun MPI plugin (pmi2, pmix, or a site's MpiDefault), PMI ones too, and
+# `mpiexec torchrun` workers see MPI's; yet they are torchrun's ranks, not the MPI world's. MPI comes before Slurm
+# because `srun --mpi=pmi2` tasks see both. A launcher is recognised when every variable of one of its marker sets
+# is present. A stray MASTER_PORT in a job script is not enough for torchrun: it takes TORCHELASTIC_RUN_ID or the
+# full env:// set.
 LAUNCHER_MARKERS = {
-    "mpi": [("PMI_RANK",), ("PMIX_RANK",), ("OMPI_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_RANK",)],
     "torchrun": [("TORCHELASTIC_RUN_ID",), ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")],
+    "mpi": [("PMI_RANK",), ("PMIX_RANK",), ("OMPI_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_RANK",)],
     "submitit": [("SUBMITIT_LOCAL_JOB_ID",)],
     "slurm": [("SLURM_PROCID",)],
 }
@@ -152,7 +158,40 @@ def identity_from_node_names(rank: int, names: list[str], launcher: str, job_id:
                     launcher=launcher, job_id=job_id, host=socket.gethostname(), num_hosts=len(set(hosts or [])))
 
 
+def mpich_wheel_libmpi(env=os.environ) -> Path | None:
+    """The libmpi of the `mpich` wheel when mpi4py will load it, else None. mpi4py (4.x) looks for libmpi in the
+    environment's lib/ first, where the wheel puts it, unless MPI4PY_LIBMPI names another library."""
+    if env.get("MPI4PY_LIBMPI"):
+        return None
+    try:
+        dist = importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    first = Path(sys.exec_prefix, "lib", "libmpi.so")
+    for f in dist.files or []:
+        path = Path(dist.locate_file(f))
+        if path.name == first.name and path.resolve() == first.resolve():
+            return path.resolve()
+    return None
+
+
+def mpi_environment(env=os.environ) -> dict[str, str]:
+    """What to set in the environment before MPI starts, unless the user set it. The mpich wheel's default network
+    module (UCX) publishes a long address through Slurm's PMI, and slurmstepd's pmi2 plugin now and then mis-parses
+    such values: `MPI_Init` dies with "mpi/pmi2: value not properly terminated in client request", then a UCX
+    address assertion (pmodels/mpich#7957, #6924; about 3 in 50 jobs under load here, the PMI-1 wire too). MPICH's
+    OFI module over TCP publishes a 16-byte address instead, and hpctrain's MPI traffic is a few small control
+    messages. Only for the wheel: a site's MPICH may have been built without OFI."""
+    if "MPIR_CVAR_CH4_NETMOD" in env or mpich_wheel_libmpi(env) is None:
+        return {}
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
 def _mpi_comm():
+    if "mpi4py.MPI" not in sys.modules:  # MPICH reads its variables when MPI starts: at this import
+        for var, value in mpi_environment().items():
+            os.environ[var] = value
+            log.info("%s=%s (the mpich wheel under hpctrain)", var, value)
     from mpi4py import MPI  # initialises MPI; imported only when launched under MPI
     return MPI.COMM_WORLD
 

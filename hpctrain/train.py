@@ -370,8 +370,7 @@ class Trainer:
         gemm = metrics.gemm_probe(self.device, torch_dtype(t.precision))
         name = metrics.device_name(self.device)
         peak = metrics.choose_peak(name, metrics.matmul_dtype(t.precision, self.tf32), t.peak_tflops, gemm)
-        log.info("MFU against %.1f TFLOP/s per rank (%s); measured %s GEMM %d^3 on %s: %.1f TFLOP/s", peak.tflops,
-                 peak.source, gemm["dtype"], gemm["n"], name or "CPU", gemm["tflops"])
+        log.info("%s", metrics.describe_peak(peak, gemm, name))
         return peak, gemm
 
     def fit(self, on_step: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:

@@ -58,6 +58,19 @@ def allreduce_grads(model: nn.Module, group) -> None:
         g.copy_(avg)
 
 
+def no_forward_buffer_sync(ddp_class) -> dict[str, bool]:
+    """DDP's keyword that stops it broadcasting buffers from dp rank 0 at every forward. The only buffers are the
+    RoPE tables, computed alike on every rank: the default is a collective per micro-batch for nothing (and one that
+    made dp rank 0 wait inside its forward for a slow peer). torch 2.13 names it forward_sync_buffers and warns on
+    every rank of every job that broadcast_buffers is deprecated; older torch (the floor is 2.9) knows only
+    broadcast_buffers. forward_sync_buffers=False still broadcasts them once at construction: identical values,
+    once."""
+    import inspect
+    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_group, device: torch.device,
                   compress_bf16: bool) -> tuple[nn.Module, Sync]:
     """The model the trainer runs and its sync(is_last_micro_step): gradients are reduced across dp once per step,
@@ -85,10 +98,7 @@ def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_grou
                 allreduce_grads(model, dp_group)
         return model, allreduce_after
     from torch.nn.parallel import DistributedDataParallel as DDP
-    # broadcast_buffers=False: the only buffers are the RoPE tables, computed alike on every rank; DDP's default
-    # broadcast them from dp rank 0 at every forward, a collective per micro-batch for nothing (and one that made
-    # dp rank 0 wait inside its forward for a slow peer)
-    ddp = DDP(model, process_group=dp_group, gradient_as_bucket_view=True, broadcast_buffers=False,
+    ddp = DDP(model, process_group=dp_group, gradient_as_bucket_view=True, **no_forward_buffer_sync(DDP),
               device_ids=[device.index] if device.type == "cuda" else None)
     if compress_bf16:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

@@ -128,3 +128,30 @@ def test_mpiexec_inside_an_allocation_is_not_refused(slurm_cluster) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("IDENT")) == [
         f"IDENT {r} 4" for r in range(4)], out.stdout
+
+
+# one write per rank (a pipe write this small is atomic): the ranks' lines must not interleave
+NETMOD = ("import os; from hpctrain import rendezvous; {patch}i = rendezvous.identify('mpi'); "
+          "os.write(1, f\"{{i.rank}} {{i.world_size}} {{os.environ.get('MPIR_CVAR_CH4_NETMOD')}}\\n\".encode())")
+
+
+@pytest.mark.faults
+def test_mpich_wheel_gets_the_ofi_netmod_before_mpi_starts(mpiexec) -> None:
+    """The mpich wheel's UCX address is now and then mis-parsed by slurmstepd's pmi2 plugin (MPI_Init dies);
+    hpctrain sets MPICH's OFI module before MPI starts, unless the user chose one."""
+    env = env_with_venv()
+    env.pop("MPIR_CVAR_CH4_NETMOD", None)
+    run = [mpiexec, "-n", "2", sys.executable, "-c", NETMOD.format(patch="")]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["0 2 ofi", "1 2 ofi"], out.stdout
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env | {"MPIR_CVAR_CH4_NETMOD": "ucx"},
+                         cwd=REPO)
+    assert sorted(out.stdout.splitlines()) == ["0 2 ucx", "1 2 ucx"], out.stdout + out.stderr
+    # MPICH reads what hpctrain sets: a netmod it does not have, set the same way, stops MPI_Init
+    bogus = "rendezvous.mpi_environment = lambda env=None: {'MPIR_CVAR_CH4_NETMOD': 'bogus'}; "
+    out = subprocess.run([sys.executable, "-c", NETMOD.format(patch=bogus)], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    assert out.returncode != 0 and not out.stdout, out.stdout
+    record("an MPI launch on the mpich wheel with no netmod chosen (UCX's long PMI address)",
+           "every rank runs with MPIR_CVAR_CH4_NETMOD=ofi set before MPI_Init; a user's choice is kept", tier="mpi")

@@ -60,8 +60,9 @@ def test_gpu_example_loads():
     assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (2, 2, 8)
     assert cfg.job.exclusive is True
     assert cfg.job.sbatch_extra == ["--mail-type=END,FAIL", "--requeue"]
-    assert cfg.job.mpi == "pmi2" and cfg.job.srun_args == ["--cpu-bind=none"]
-    assert cfg.job.setup[0] == "module load cuda/12.4 nccl"
+    # identity from Slurm, no MPI started; hpctrain adds GPU jobs' CPU binding (launch.GPU_SRUN_ARGS)
+    assert cfg.job.mpi == "none" and cfg.parallel.rendezvous == "slurm" and cfg.job.srun_args == []
+    assert cfg.job.setup[0].startswith("export NCCL_IB_HCA=")
     # mem_gb = 0 is written as an int in the file; float fields take ints and store floats
     assert isinstance(cfg.job.mem_gb, float) and cfg.job.mem_gb == 0.0
     assert (cfg.model.n_heads, cfg.model.n_kv_heads, cfg.train.precision) == (32, 8, "bf16")

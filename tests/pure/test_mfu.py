@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from faults import record
 
 from hpctrain import metrics, session
 from hpctrain.config import TrainConfig, load_config
@@ -151,6 +152,10 @@ def _fit(tmp_path, *overrides: str, events: list | None = None) -> tuple[dict, l
 def test_cpu_run_reports_measured_peak_gemm_and_memory_baseline(tmp_path) -> None:
     events: list[str] = []
     out, rows = _fit(tmp_path, events=events)
+    # the rank's log names a CPU's rate in GFLOP/s, never "0.0 TFLOP/s"
+    (rank_log,) = tmp_path.glob("*/logs/rank00000.log")
+    line = metrics.describe_peak(Peak(out["peak_tflops"], out["peak_source"]), out["gemm"], None)
+    assert "GFLOP/s per rank" in line and line in rank_log.read_text()
     assert events == ["probe", "reset", "step", "step", "step"]  # memory counts from after initialisation
     assert out["peak_source"] == "measured: float32 GEMM 1024^3 (a CPU)" and out["tf32"] is False
     assert out["gemm"]["n"] == 1024 and out["gemm"]["tflops"] == out["peak_tflops"] > 0
@@ -174,3 +179,33 @@ def test_recognised_device_reports_datasheet_mfu_beside_gemm(tmp_path, monkeypat
     out, rows = _fit(tmp_path, "train.peak_tflops=2")
     assert out["peak_source"] == "config: train.peak_tflops" and rows[0]["mfu"] == pytest.approx(
         rows[0]["tflops_per_rank"] / 2)
+
+
+# --- issue 26: rates in the unit that fits, no division by a probe that read 0 -------------------------------
+
+def test_rates_print_in_the_unit_that_fits() -> None:
+    assert [metrics.flop_rate(x) for x in (989.5, 1.0, 0.08, 0.004, 0.0)] == [
+        "989.5 TFLOP/s", "1.0 TFLOP/s", "80.0 GFLOP/s", "4.0 GFLOP/s", "0 FLOP/s"]
+    line = metrics.describe_peak(choose_peak(None, "fp32", 0.0, {**GEMM, "tflops": 0.08}), {**GEMM, "tflops": 0.08},
+                                 None)
+    assert line == ("MFU against 80.0 GFLOP/s per rank (measured: float32 GEMM 1024^3 (a CPU)); measured float32 "
+                    "GEMM 1024^3 on CPU: 80.0 GFLOP/s")
+    h100 = metrics.describe_peak(choose_peak("NVIDIA H100 80GB HBM3", "bf16", 0.0, {**GEMM, "tflops": 735.0}),
+                                 {**GEMM, "tflops": 735.0}, "NVIDIA H100 80GB HBM3")
+    assert h100.startswith("MFU against 989.5 TFLOP/s per rank (datasheet") and h100.endswith(": 735.0 TFLOP/s")
+
+
+@pytest.mark.faults
+def test_a_probe_that_read_zero_divides_nothing(tmp_path) -> None:
+    zero = {**GEMM, "tflops": 0.0}
+    peak = choose_peak(None, "fp32", 0.0, zero)
+    assert peak == Peak(0.0, "none: the GEMM probe read 0")
+    assert "MFU against nothing (none: the GEMM probe read 0)" in metrics.describe_peak(peak, zero, None)
+    log = metrics.TrainLog(tmp_path, 0, 10, torch.device("cpu"), flops_per_token=6e6, world=1, peak=peak, gemm=zero,
+                           tokens_seen=0)
+    log.step({"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0}, tokens_seen=4096, log_step=True)
+    assert log.last["mfu"] == 0.0 and log.last["mfu_gemm"] is None and log.last["tflops_per_rank"] > 0
+    assert "mfu 0.0%" in log.log_file.progress(log.last) and "gemm" not in log.log_file.progress(log.last)
+    log.close()
+    record("the GEMM probe reads 0 FLOP/s (a CPU stalled under load while it ran)",
+           "no division by it: MFU reads 0 against 'none: the GEMM probe read 0', no gemm ratio", tier="pure")

@@ -10,6 +10,7 @@ import socket
 import stat
 
 import pytest
+from faults import record
 
 from hpctrain.rendezvous import Identity, detect_launcher, identity_from_env, identity_from_node_names
 
@@ -41,7 +42,9 @@ def fixed_node_name(monkeypatch):
     ({"MV2_COMM_WORLD_RANK": "0"}, "mpi"),
     (SLURM | TORCHRUN, "torchrun"),                # srun torchrun: the workers are torchrun's
     (SLURM | SUBMITIT, "submitit"),                # local executor inside an allocation
-    (TORCHRUN | {"PMI_RANK": "0"}, "mpi"),
+    (SLURM | TORCHRUN | {"PMIX_RANK": "0"}, "torchrun"),  # srun torchrun where the site's MpiDefault is pmix
+    (SLURM | TORCHRUN | {"PMI_RANK": "0"}, "torchrun"),   # ... or pmi2
+    (TORCHRUN | {"PMI_RANK": "0"}, "torchrun"),           # mpiexec torchrun
 ])
 def test_detect_launcher(env, expected):
     assert detect_launcher(env) == expected
@@ -287,3 +290,24 @@ def test_damaged_address_file_is_a_clean_error(tmp_path, text):
         rendezvous._publish(ident, None, tmp_path, 5)
     record("rendezvous address file damaged (wrong types, 100k-deep nesting, 70 KB, lone surrogate, a symlink)",
            "every reading rank raises a ValueError naming the file; no traceback from json", tier="pure")
+
+
+# --- issue 26: srun torchrun on a PMI site, the mpich wheel's network module -------------------------------
+
+@pytest.mark.faults
+def test_srun_torchrun_workers_that_inherit_pmi_are_torchrun_ranks():
+    """`srun torchrun` where the site's MpiDefault is pmix: each worker inherits its srun task's PMIx variables.
+    Taken for MPI ranks, 4 workers of a task would all start MPI as the same PMIx rank."""
+    env = SLURM | TORCHRUN | {"PMIX_RANK": "5", "PMIX_NAMESPACE": "slurm.pmix.4242.0"}
+    ident = identity_from_env(detect_launcher(env), env)
+    assert (ident.launcher, ident.rank, ident.world_size, ident.local_rank) == ("torchrun", 6, 8, 2)
+    record("srun torchrun workers that inherit the srun task's PMIx (or PMI2) variables",
+           "identified as torchrun's ranks (RANK/WORLD_SIZE), not as MPI ranks", tier="pure")
+
+
+def test_mpi_environment_only_for_the_mpich_wheel_and_only_unset():
+    from hpctrain.rendezvous import mpi_environment, mpich_wheel_libmpi
+    assert mpich_wheel_libmpi({}) is not None, "the test venv has the mpich wheel (make install)"
+    assert mpi_environment({}) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    assert mpi_environment({"MPIR_CVAR_CH4_NETMOD": "ucx"}) == {}  # the user's choice
+    assert mpi_environment({"MPI4PY_LIBMPI": "/opt/site/lib/libmpi.so"}) == {}  # a site MPI: it may lack OFI

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from faults import record
 
 from helpers import REPO
 from hpctrain import launch
@@ -63,7 +66,7 @@ def test_llama_sbatch_content():
     assert not any("wckey" in d for d in directives)
     (srun,) = [line for line in lines if line.startswith("srun ")]
     assert srun == ("srun --unbuffered --output /RUNDIR/submitit/%j_%t_log.out --error /RUNDIR/submitit/%j_%t_log.err "
-                    "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none "
+                    "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=none --cpu-bind=cores --distribution=block:block "
                     "python3 -u -m hpctrain.entry -u -m submitit.core._submit /RUNDIR/submitit")
 
 
@@ -81,9 +84,9 @@ def test_gpu_sbatch_content():
     assert len(srun) == 1
     line = lines[srun[0]]
     # one failed task ends the others at once (user srun_args come after, so they may override it)
-    assert "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=pmi2 --cpu-bind=none python3 -u -m hpctrain.entry -u -m " \
-        "submitit.core._submit /RUNDIR/submitit" in line
-    setup = [lines.index(s) for s in ("module load cuda/12.4 nccl", IB_HCA, "export OMP_NUM_THREADS=8")]
+    assert "--kill-on-bad-exit=1 --cpus-per-task=12 --mpi=none --cpu-bind=cores --distribution=block:block python3 " \
+        "-u -m hpctrain.entry -u -m submitit.core._submit /RUNDIR/submitit" in line
+    setup = [lines.index(s) for s in (*launch.GPU_SETUP, IB_HCA, "export OMP_NUM_THREADS=8")]
     assert setup == sorted(setup)
     assert lines.index(directives[-1]) < setup[0] and setup[-1] < srun[0]
 
@@ -91,9 +94,10 @@ def test_gpu_sbatch_content():
 def test_slurm_parameters_for_gpu_example():
     assert launch.slurm_parameters(load_config(GPU)) == {
         "job_name": "llama-8b", "nodes": 4, "ntasks_per_node": 8, "cpus_per_task": 12, "time": 1440,
-        "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--mpi=pmi2",
-                                               "--cpu-bind=none"],
-        "setup": ["module load cuda/12.4 nccl", IB_HCA, "export OMP_NUM_THREADS=8"],
+        "signal_delay_s": 300, "srun_args": ["--kill-on-bad-exit=1", "--cpus-per-task=12", "--mpi=none",
+                                               "--cpu-bind=cores", "--distribution=block:block"],
+        "setup": ["export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}", IB_HCA,
+                  "export OMP_NUM_THREADS=8"],
         "stderr_to_stdout": False, "wckey": None, "partition": "gpu", "account": "myproject", "qos": "normal",
         "constraint": "a100_80g", "gpus_per_node": 8, "exclusive": True, "mem": "0",
         "additional_parameters": {"mail-type": "END,FAIL", "requeue": True},
@@ -220,3 +224,76 @@ def test_examples_name_ib_hcas_exactly(example):
         assert values, f"{example.name}: no NCCL_IB_HCA (NCCL would take every IB device)"
     for value in values:
         assert value.startswith(("=", "^=")), f"{example.name}: NCCL_IB_HCA={value} is a prefix match"
+
+
+# --- issue 26: launch defaults and GPU job scripts that work on any site ----------------------------------
+
+def setup_lines(cfg) -> list[str]:
+    lines = launch.render_sbatch(cfg, FOLDER, python="python3").splitlines()
+    return lines[lines.index("# setup") + 1:lines.index("# command")]
+
+
+# an srun task where the site's MpiDefault is pmix (Open MPI sites): srun hands every task PMIx variables
+SRUN_TASK_PMIX_SITE = {"SLURM_PROCID": "9", "SLURM_NTASKS": "32", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                       "SLURM_NNODES": "4", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "PMIX_RANK": "9",
+                       "PMIX_NAMESPACE": "slurm.pmix.77.0"}
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("example", [GPU, LLAMA], ids=lambda p: p.stem)
+def test_gpu_examples_take_identity_from_slurm_and_start_no_mpi(example, monkeypatch):
+    from hpctrain import rendezvous
+    cfg = load_config(example)
+    assert "--mpi=none" in srun_line(cfg).split()  # srun starts no PMI server: nothing for a site MPI to match
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "PMI", "OMPI_", "MV2_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(var)
+    for var, value in SRUN_TASK_PMIX_SITE.items():
+        monkeypatch.setenv(var, value)
+
+    def no_mpi():
+        raise AssertionError("MPI was started")
+    monkeypatch.setattr(rendezvous, "_mpi_comm", no_mpi)
+    ident = rendezvous.identify(cfg.parallel.rendezvous)
+    assert (ident.launcher, ident.rank, ident.world_size, ident.local_rank, ident.node_index) == ("slurm", 9, 32, 1, 1)
+    record(f"the {example.stem} example's task on a site whose srun hands out PMIx variables (MpiDefault=pmix)",
+           "identity from Slurm's variables (rank 9 of 32), MPI never started; srun gets --mpi=none", tier="pure")
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.stem)
+def test_examples_load_no_nccl_module_and_set_no_mpi_netmod(example):
+    """torch brings its own libnccl: an NCCL module's older one on LD_LIBRARY_PATH would be loaded ahead of it.
+    The mpich wheel's network module is hpctrain's to set (rendezvous.mpi_environment), not a setup line's."""
+    for line in load_config(example).job.setup:
+        assert not re.search(r"\bmodule\s+(load|add)\b.*\bnccl", line, re.I), f"{example.name}: {line}"
+        assert "MPIR_CVAR_CH4_NETMOD" not in line, f"{example.name}: {line}"
+
+
+def test_gpu_jobs_bind_each_task_to_its_cores():
+    words = srun_line(load_config(GPU)).split()
+    assert "--cpu-bind=cores" in words and "--distribution=block:block" in words and "--cpu-bind=none" not in words
+    assert words.index("--cpus-per-task=12") < words.index("--cpu-bind=cores")
+    tiny = srun_line(load_config(TINY)).split()  # CPU jobs: as before (the local cluster has no task/affinity)
+    assert not [w for w in tiny if w.startswith(("--cpu-bind", "--distribution"))]
+    # job.srun_args come after ours: srun takes the last of a repeated option, so a site can override them
+    words = srun_line(load_config(GPU, ['job.srun_args=["--cpu-bind=map_ldom:3,1,7,5"]'])).split()
+    assert words.index("--cpu-bind=cores") < words.index("--cpu-bind=map_ldom:3,1,7,5")
+
+
+def alloc_conf(cfg, submitted: str | None) -> str:
+    """PYTORCH_CUDA_ALLOC_CONF after bash runs the job script's setup lines, given the submission's value."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if submitted is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = submitted
+    script = "\n".join([*setup_lines(cfg), 'printf %s "${PYTORCH_CUDA_ALLOC_CONF-<unset>}"'])
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_gpu_jobs_use_expandable_segments_unless_set():
+    gpu = load_config(GPU)
+    assert alloc_conf(gpu, None) == "expandable_segments:True"
+    assert alloc_conf(gpu, "garbage_collection_threshold:0.8") == "garbage_collection_threshold:0.8"
+    own = load_config(GPU, ['job.setup=["export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync"]'])
+    assert alloc_conf(own, None) == "backend:cudaMallocAsync"
+    assert alloc_conf(load_config(TINY), None) == "<unset>"  # CPU jobs: no CUDA allocator to configure
