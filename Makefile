@@ -7,9 +7,9 @@ CONFIG ?= slurm/examples/tiny-cpu.toml
 ARGS ?=
 # the tests to run: every tier by default; one tier with TESTS=tests/pure (or tests/multiproc, tests/cluster)
 TESTS ?= tests
-# torch is pinned to the local CPU wheel only when the virtualenv has no torch at all; on a cluster, make the
-# venv with VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead: tools/install.py keeps a site
-# torch at or above setup.cfg's floor, refuses an older one (or none) with the fix, and never lets pip replace it.
+# torch is pinned to the local CPU wheel only when the virtualenv has no torch at all; on a cluster, make the venv with
+# VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead: hpctrain/install_guard.py keeps a site torch
+# at or above setup.cfg's floor, refuses an older one (or none) with the fix, and never lets pip replace it.
 TORCH_SPEC ?= torch==2.13.0
 # The mpich wheel gives mpi4py an MPI where the machine has none; with a site MPI (mpicc on PATH) it is skipped.
 MPI_WHEEL ?= $(if $(shell command -v mpicc 2>/dev/null),,mpich)
@@ -19,9 +19,9 @@ STAMP := $(VENV)/.hpctrain-installed
 
 install: $(STAMP)
 
-$(STAMP): setup.py setup.cfg tools/install.py
+$(STAMP): setup.py setup.cfg hpctrain/install_guard.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python tools/install.py --torch-spec "$(TORCH_SPEC)" $(if $(filter file,$(origin TORCH_SPEC)),,--asked) $(MPI_WHEEL)
+	$(BIN)/python -m hpctrain.install_guard --torch-spec "$(TORCH_SPEC)" $(if $(filter file,$(origin TORCH_SPEC)),,--asked) $(MPI_WHEEL)
 	touch $(STAMP)
 
 test: install data/corpus.bin

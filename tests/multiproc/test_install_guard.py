@@ -1,6 +1,7 @@
-"""`make install` over a site torch: the Makefile's real install recipe (tools/install.py) run into a throwaway venv
-made with --system-site-packages, the "site" a directory on PYTHONPATH holding a stub `torch` package (as a
-`module load` provides one), with pip pointed at no index and no local wheels so that nothing can be downloaded.
+"""`make install` over a site torch: the Makefile's real install recipe (hpctrain/install_guard.py) run into a
+throwaway venv made with --system-site-packages, the "site" a directory on PYTHONPATH holding a stub `torch` package
+(as a `module load` provides one), with pip pointed at no index and no local wheels so that nothing can be
+downloaded.
 
     .venv/bin/python -m pytest -q tests/multiproc/test_install_guard.py
 """

@@ -22,7 +22,7 @@ PKG = ROOT / "hpctrain"
 # The module order, lowest first. A module imports only from lower levels: never from its own level or above.
 LEVELS: list[list[str]] = [
     # 0: import nothing of hpctrain
-    ["cliutil", "sections", "hostlist", "untrusted"],
+    ["cliutil", "sections", "hostlist", "untrusted", "install_guard"],
     # 1: an HF directory's config.json, read through untrusted
     ["hfconfig"],
     # 2: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing

@@ -1,7 +1,7 @@
 """What `make install` runs inside the virtualenv it made: hpctrain and its requirements, with torch handled apart
 so that pip never replaces the torch the venv sees and never downloads one nobody asked for.
 
-    .venv/bin/python tools/install.py --torch-spec 'torch==2.13.0' [--asked] [REQUIREMENT ...]
+    .venv/bin/python -m hpctrain.install_guard --torch-spec 'torch==2.13.0' [--asked] [REQUIREMENT ...]
 
 REQUIREMENT: more to install beside hpctrain's own (the Makefile passes the mpich wheel where no MPI is found).
 --asked: TORCH_SPEC was named by the user (make install TORCH_SPEC=...), not the Makefile's default.
