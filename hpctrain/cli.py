@@ -105,6 +105,7 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool, n
     if dry_run:
         plan = launch.check_layout(cfg, click.echo, strict_data=False)
         launch.predict_fit(cfg, plan, click.echo, memory_check=not no_memory_check)
+        launch.check_storage(cfg, plan, click.echo)
         layout = plan.layout
         if cfg.world_size <= 512:
             rows = mesh.rank_table(layout, plan.node_of_rank)

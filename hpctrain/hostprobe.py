@@ -1,10 +1,16 @@
 """What one host can say about itself for `hpctrain doctor`: the checkpoint directory's write+fsync and cold read
 rate, free space, file system and Lustre striping; the software environment. No torch.distributed; the caller
-(hpctrain/doctor.py) picks one rank per node.
+(hpctrain/doctor.py) picks one rank per node. Also what the dry run and the checkpoint manager ask of a directory:
+its file system (NFS?) and the quota left on it.
 
     storage(Path("/lustre/ckpt"), 128 << 20, "n1")  # {"write_gbps", "read_gbps", "free_gb", "fs", ...}
     probe_bytes(128 << 20, free, writers=4)         # what it writes: bounded by a share of the free space
     environment()                                   # {"torch", "cuda", "nccl", "mpi", ...}
+    quota_left(Path("/lustre/ckpt"))                # (bytes, "the Lustre user quota ...") or None
+    nfs_warning("job.run_root", path, mount_table(), home, scratch)    # str or None
+    room_warning("checkpoint.dir", path, ckpt_bytes, keep, free, quota)  # str or None
+
+Tests: pytest tests/pure/test_doctor_probe.py tests/pure/test_storage_warnings.py
 """
 from __future__ import annotations
 
@@ -41,21 +47,31 @@ def probe_dir(configured: str, run_dir: Path) -> Path:
     return path
 
 
-def file_system(path: Path) -> str:
-    """The type of the mount holding path (ext4, xfs, nfs4, lustre, ...), from /proc/mounts; "?" elsewhere."""
-    real, best, kind = str(path.resolve()), "", "?"
+def mount_table() -> str:
+    """/proc/mounts as text; "" where there is none."""
     try:
-        lines = Path("/proc/mounts").read_text().splitlines()
+        return Path("/proc/mounts").read_text()
     except OSError:
-        return kind
-    for line in lines:
+        return ""
+
+
+def mount_of(path: Path, table: str) -> tuple[str, str]:
+    """(mount point, type) of the mount holding path in a /proc/mounts table (the longest mount point above it, the
+    last mounted of equals); ("", "?") when none does. The path need not exist yet."""
+    real, best, kind = str(Path(path).resolve()), "", "?"
+    for line in table.splitlines():
         fields = line.split()
         if len(fields) < 3:
             continue
         mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # a space is \040 there
         if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
             best, kind = mount, fields[2]
-    return kind
+    return best, kind
+
+
+def file_system(path: Path) -> str:
+    """The type of the mount holding path (ext4, xfs, nfs4, lustre, ...), from /proc/mounts; "?" elsewhere."""
+    return mount_of(path, mount_table())[1]
 
 
 def striping(path: Path, fs: str) -> str:
@@ -71,6 +87,79 @@ def striping(path: Path, fs: str) -> str:
         return f"lfs getstripe failed: {e}"
     text = " ".join((out.stdout or out.stderr).split())
     return f"lfs getstripe -d: {text}" if out.returncode == 0 else f"lfs getstripe failed: {text}"
+
+
+# `lfs quota` asks the metadata server and every OST: seconds on a busy file system, never worth a stalled save
+QUOTA_TIMEOUT_S = 20
+
+
+def lfs_quota_left(text: str) -> int | None:
+    """Bytes left under the block limit in `lfs quota -q` output: the file system (alone on its line when long), then
+    kbytes used (a '*' marks usage past a limit), the soft limit, the hard limit, the grace, then the same for files.
+    The hard limit counts (writes fail there), else the soft one; None where neither is set or the text is not
+    that."""
+    fields = text.split()
+    try:
+        used, soft, hard = (int(f.rstrip("*")) for f in fields[1:4])
+    except ValueError:
+        return None
+    limit = hard or soft
+    return max(0, limit - used) << 10 if limit > 0 else None
+
+
+def quota_left(path: Path) -> tuple[int, str] | None:
+    """(bytes, which quota) still allowed on path's file system, the least of this user's and the directory group's
+    Lustre block quotas (`lfs quota`), when path is on Lustre and lfs is on PATH; None otherwise, or with no limit,
+    or when lfs fails. Other quotas (NFS's rquota, GPFS's mmlsquota) are not asked: there the write's own EDQUOT
+    is the check (checkpoint/manager.py)."""
+    path = probe_dir(str(path), Path(path))
+    if file_system(path) != "lustre" or shutil.which("lfs") is None:
+        return None
+    best = None
+    for flag, ident, whose in (("-u", os.getuid(), "user"), ("-g", path.stat().st_gid, "group")):
+        try:
+            out = subprocess.run(["lfs", "quota", "-q", flag, str(ident), str(path)], capture_output=True, text=True,
+                                 timeout=QUOTA_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        left = lfs_quota_left(out.stdout) if out.returncode == 0 else None
+        if left is not None and (best is None or left < best[0]):
+            best = (left, f"the Lustre {whose} quota (lfs quota {flag} {ident})")
+    return best
+
+
+NFS = ("nfs", "nfs4")  # /proc/mounts types: NFS v2/v3 and v4
+
+
+def nfs_warning(key: str, path: Path, table: str, home: str = "", scratch: str = "") -> str | None:
+    """A warning when path, the value of config key `key`, lies on NFS (by the mount table `table`), most often a
+    home directory: a small quota that checkpoints fill, slow large writes, and attribute caching (30-60 s) that
+    shows one node's new files to the others late. None elsewhere."""
+    mount, kind = mount_of(path, table)
+    if kind not in NFS:
+        return None
+    real = Path(path).resolve()
+    at_home = bool(home) and (real == Path(home).resolve() or Path(home).resolve() in real.parents)
+    instead = f"$SCRATCH ({scratch})" if scratch else "a scratch or Lustre file system (e.g. under $SCRATCH)"
+    return (f"warning: {key} = {str(path)!r} is on {'an NFS home directory' if at_home else 'NFS'} ({kind} at "
+            f"{mount}): checkpoints there fill a small quota and write slowly, and NFS shows files one node writes "
+            f"to the others up to a minute late; put {key} on {instead}")
+
+
+def room_warning(key: str, path: Path, ckpt_bytes: int, keep: int, free: int,
+                 quota: tuple[int, str] | None) -> str | None:
+    """A warning when the directory checkpoints go to (path, named by config key `key`) has room, by its free space
+    or its quota, for fewer than checkpoint.keep + 1 checkpoints of ckpt_bytes (the kept ones and the one being
+    written); None when they fit."""
+    need = (keep + 1) * ckpt_bytes
+    left, what = min([(free, "its free space"), *([quota] if quota else [])])
+    if left >= need:
+        return None
+    fix = "ask for more quota or put checkpoint.dir on scratch" if quota and left == quota[0] else \
+        "put checkpoint.dir on a larger file system (scratch, Lustre)"
+    return (f"warning: {key} = {str(path)!r}: {what} leaves {left / 1e9:.3g} GB, less than checkpoint.keep + 1 = "
+            f"{keep + 1} checkpoints of about {ckpt_bytes / 1e9:.3g} GB; once it runs out periodic saves are skipped "
+            f"and the final save fails the job: {fix}")
 
 
 def probe_bytes(asked: int, free: int, writers: int) -> tuple[int, str | None]:

@@ -279,6 +279,36 @@ def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) 
     return out
 
 
+def check_storage(cfg: Config, plan: Plan, echo=print) -> None:
+    """Warns (the nodes may mount what the login node does not, so never refuses) when job.run_root or
+    checkpoint.dir lies on NFS, and when the directory checkpoints go to has room (free space, Lustre quota) for
+    fewer than checkpoint.keep + 1 of this plan's checkpoints."""
+    import os
+
+    from hpctrain import hostprobe
+
+    table, home, scratch = hostprobe.mount_table(), os.environ.get("HOME", ""), os.environ.get("SCRATCH", "")
+    places = {"job.run_root": Path(cfg.job.run_root).absolute()}
+    if cfg.checkpoint.dir:
+        places["checkpoint.dir"] = Path(cfg.checkpoint.dir).absolute()
+    for key, path in places.items():
+        if note := hostprobe.nfs_warning(key, path, table, home, scratch):
+            echo(note)
+    if not plan.training:
+        return
+    from hpctrain.planner import ckpt_cost
+
+    key, path = list(places.items())[-1]  # where checkpoints go: checkpoint.dir, else the run directory
+    there = hostprobe.probe_dir(str(path), path)
+    try:
+        free = shutil.disk_usage(there).free
+    except OSError:
+        return
+    size = ckpt_cost.checkpoint_bytes(plan.dims, cfg.world_size)
+    if note := hostprobe.room_warning(key, path, size, cfg.checkpoint.keep, free, hostprobe.quota_left(there)):
+        echo(note)
+
+
 def task_python(python: str | None = None) -> str:
     """The python command submitit starts each task with: hpctrain.entry's task runner, which takes USR2 and TERM
     before submitit is imported (a preemption while a task starts is kept, not fatal), then runs submitit's."""
@@ -312,7 +342,9 @@ def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=pr
            memory_check: bool = True) -> tuple[Path, Any, str]:
     """Validates, makes a fresh run directory, submits. On failure nothing is left behind. task(config_path,
     run_dir) is the picklable callable every task of the job runs (hpctrain.cli.CliTask: one command line)."""
-    predict_fit(cfg, check_layout(cfg, echo), echo, memory_check)
+    plan = check_layout(cfg, echo)
+    predict_fit(cfg, plan, echo, memory_check)
+    check_storage(cfg, plan, echo)
     kind, why = choose_executor(cfg)
     if kind == "slurm":
         check_cluster(cfg, echo)

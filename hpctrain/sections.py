@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -46,6 +47,14 @@ def positive(section: str, obj: object, *keys: str, allow_zero: bool = False) ->
         check(value >= low, f"{section}.{key} = {value!r} must be >= {low}")
 
 
+def default_run_root() -> str:
+    """job.run_root when the config names none: $SCRATCH/hpctrain where the site sets $SCRATCH (a large file system
+    for job output, unlike the NFS home a clone usually sits in), else "runs" below the current directory. Resolved
+    when the config is built, so the run's config.toml names the directory every rank uses."""
+    scratch = os.environ.get("SCRATCH", "")
+    return os.path.join(scratch, "hpctrain") if scratch else "runs"
+
+
 # Far past any machine, yet small enough that the per-rank tables of a dry run (node of each rank, rank map)
 # fit in memory: 10^10 ranks made `submit --dry-run` allocate until killed.
 MAX_WORLD_SIZE = 1 << 20
@@ -55,7 +64,7 @@ MAX_WORLD_SIZE = 1 << 20
 class JobConfig:
     """[job]: what Slurm is asked for, and where runs go."""
     name: str = "hpctrain"
-    run_root: str = "runs"  # each run gets a fresh directory below this
+    run_root: str = field(default_factory=default_run_root)  # each run gets a fresh directory below this
     executor: str = "auto"  # auto (Slurm when reachable, else local) | slurm | local
     nodes: int = 1
     tasks_per_node: int = 1  # ranks per node: one per GPU

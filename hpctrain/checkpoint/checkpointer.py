@@ -104,7 +104,7 @@ class Checkpointer:
     def __exit__(self, kind, value, tb) -> None:
         try:
             if kind is None:
-                self.mgr.wait()  # commit the save in flight; not on an error path, where a rank may be gone
+                self._wait()  # commit the save in flight; not on an error path, where a rank may be gone
         finally:
             self.mgr.close()
 
@@ -125,6 +125,14 @@ class Checkpointer:
         prov = self.provenance | {"saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.mgr.save(step, self._tensors(), self._control(), prov, asynchronous=asynchronous)
 
+    def _wait(self) -> None:
+        """Finishes the background save in flight, if any: a periodic or requested one, so one that finds the file
+        system full or the quota spent is skipped with a warning (the manager has abandoned it)."""
+        try:
+            self.mgr.wait()
+        except NoSpace as e:
+            log.warning("periodic checkpoint skipped: %s", e)
+
     def _requests(self) -> tuple[bool, bool]:
         """(save_now, writing): whether SAVE_NOW appeared (rank 0 looks, and removes it) and whether any rank's
         background save is still writing. Collective: one all-reduce, on the device (NCCL on GPUs)."""
@@ -144,13 +152,13 @@ class Checkpointer:
         final (the end of training): the same, if checkpoint.at_end and the run stepped since its start.
         Otherwise: commits a background save once every rank has written it; saves every checkpoint.every_steps
         (not the last step, which is final's) and when SAVE_NOW appeared, in the background with
-        checkpoint.async_save; a periodic save that finds no space is skipped with a warning (earlier
-        checkpoints stay), while a forced or final one raises NoSpace. Non-finite steps (the module docstring):
-        a periodic or requested save waits for the first finite step; a forced or final one is not made when no
-        step since the start was finite."""
+        checkpoint.async_save; a periodic save that finds no space (a full disk or a spent quota, before or
+        while it writes) is skipped with a warning (earlier checkpoints stay), while a forced or final one raises
+        NoSpace. Non-finite steps (the module docstring): a periodic or requested save waits for the first finite
+        step; a forced or final one is not made when no step since the start was finite."""
         if force or final:
             self.phase("checkpoint", f"save of step {step}")
-            self.mgr.wait()
+            self._wait()
             if final and not (self.cfg.at_end and step > (self.loaded_step or 0)):
                 return False
             streak = self.saved.nonfinite()
@@ -167,7 +175,7 @@ class Checkpointer:
         save_now, writing = self._requests()
         if self.mgr.pending is not None and not writing:
             self.phase("checkpoint", "commit of a background save")
-            self.mgr.wait()  # every rank's background write is done: commit now, not at the next save
+            self._wait()  # every rank's background write is done: commit now, not at the next save
         every = self.cfg.every_steps
         if not (((every and step % every == 0) or self.deferred) and step < self.total_steps or save_now):
             return False
@@ -180,6 +188,7 @@ class Checkpointer:
             return False
         self.deferred = False
         self.phase("checkpoint", f"save of step {step}")
+        self._wait()  # the previous one first, so that its failure is not taken for this one's
         try:
             self._save(step, asynchronous=self.cfg.async_save)
         except NoSpace as e:

@@ -11,9 +11,16 @@ job writes a checkpoint directory at a time (lock.py); a load verifies everythin
 `state` maps names to torch.distributed.checkpoint Stateful objects or tensors; DCP plans the shards, the HDF5
 storage (hdf5_storage.py) writes one file per rank. `extra_json` is small control state (step, scheduler, data
 position) kept as JSON beside the shards: nothing in a checkpoint is ever unpickled.
+
+A save that finds the file system full or the quota spent (ENOSPC or EDQUOT, at any point: the directory, a shard,
+the index, the attached files, the marker) is abandoned on every rank and raised as NoSpace naming which: what it
+wrote is removed, and a committed copy of the same step that it was replacing is put back. The caller decides
+whether the job goes on (checkpointer.py: a periodic save is skipped, a final one fails the job).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -28,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from hpctrain import hostprobe
 from hpctrain.checkpoint.hdf5_storage import INDEX, CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.checkpoint.layout import (
     EXTRA,
@@ -52,7 +60,36 @@ __all__ = ["MARKER", "EXTRA", "CheckpointManager", "committed", "step_name", "No
 
 
 class NoSpace(OSError):
-    """The file system cannot hold the next checkpoint: earlier checkpoints are untouched."""
+    """The file system cannot hold the next checkpoint (full, or the quota spent): earlier checkpoints are untouched."""
+
+
+# The errors of a file system that takes no more bytes from us, and what to do about each.
+FULL = {errno.ENOSPC: ("no space left on {root}", "free space there or put checkpoint.dir on a larger file system"),
+        errno.EDQUOT: ("disk quota exceeded on {root}", "ask for more quota or put checkpoint.dir on scratch")}
+
+
+def full_error(e: BaseException) -> OSError | None:
+    """The ENOSPC or EDQUOT error in e: e itself, what caused it, or one rank's failure inside DCP's
+    CheckpointException (a BaseException gathering every rank's error, errno kept); None when there is none."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in FULL:
+            return x
+        if isinstance(x, CheckpointException):
+            todo.extend(failure[0] for failure in x.failures.values())
+        todo.extend((x.__cause__, x.__context__))
+    return None
+
+
+def no_room(code: int, root: Path, what: str, detail: str = "") -> str:
+    """The message of NoSpace: which limit (full disk or quota) on which directory, what to do, what stays."""
+    where, fix = FULL[code]
+    detail = f" ({detail})" if detail else ""
+    return f"{what}: {where.format(root=root)}{detail}; {fix}. Earlier checkpoints are untouched"
 
 
 class NoUsableCheckpoint(RuntimeError):
@@ -120,15 +157,19 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def _agree(rank: int, fn) -> Any:
-    """Runs fn on rank 0 and hands its result, or its error message, to every rank (no rank waits on a dead one)."""
+    """Runs fn on rank 0 and hands its result, or its error message, to every rank (no rank waits on a dead one).
+    Rank 0 raises fn's own error; the others one of its kind (NoSpace, OSError, else RuntimeError) with its text."""
     box: list[Any] = [None, None]
+    error = None
     if rank == 0:
         try:
             box[0] = fn()
         except Exception as e:  # noqa: BLE001 -- whatever it is, every rank must hear of it
-            box[1] = (type(e).__name__, str(e))
+            box[1], error = (type(e).__name__, str(e)), e
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
     if box[1]:
         kind, msg = box[1]
         raise (NoSpace if kind == "NoSpace" else RuntimeError if kind != "OSError" else OSError)(msg)
@@ -224,17 +265,74 @@ class CheckpointManager:
         tmp = self._partial(step)
 
         def make() -> None:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a save that was killed: never committed, safe to drop
-                shutil.rmtree(tmp)
-            free = shutil.disk_usage(self.root).free
-            if need_bytes > free:
-                raise NoSpace(f"checkpoint of step {step} needs about {need_bytes / 1e9:.2f} GB but "
-                              f"{self.root} has {free / 1e9:.2f} GB free; previous checkpoints are untouched")
-            tmp.mkdir()
-            stripe(tmp, self.cfg.stripe_count, self.cfg.stripe_size_mb)
+            with self._full_is_no_space(step):
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a save that was killed: never committed, safe to drop
+                    shutil.rmtree(tmp)
+                free = shutil.disk_usage(self.root).free
+                if need_bytes > free:
+                    raise NoSpace(f"checkpoint of step {step} needs about {need_bytes / 1e9:.2f} GB but "
+                                  f"{self.root} has {free / 1e9:.2f} GB free; previous checkpoints are untouched")
+                # free space says nothing of a quota, which on a shared file system binds first; lfs answers cheaply
+                quota = hostprobe.quota_left(self.root)
+                if quota is not None and need_bytes > quota[0]:
+                    raise NoSpace(no_room(errno.EDQUOT, self.root, f"checkpoint of step {step} needs about "
+                                          f"{need_bytes / 1e9:.2f} GB but {quota[1]} leaves {quota[0] / 1e9:.2f} GB"))
+                tmp.mkdir()
+                stripe(tmp, self.cfg.stripe_count, self.cfg.stripe_size_mb)
         _agree(self.rank, make)
         return tmp
+
+    @contextlib.contextmanager
+    def _full_is_no_space(self, step: int):
+        """ENOSPC or EDQUOT (on this rank, or any rank inside DCP) raised as NoSpace naming the limit."""
+        try:
+            yield
+        except NoSpace:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- only the full file system is ours
+            full = full_error(e)
+            if full is None:
+                raise
+            detail = " ".join(str(full).split())[:300]
+            if os.strerror(full.errno) not in detail:
+                detail = f"{os.strerror(full.errno)}: {detail}"
+            raise NoSpace(no_room(full.errno, self.root, f"checkpoint of step {step} abandoned", detail)) from e
+
+    @contextlib.contextmanager
+    def _abandoned_if_full(self, step: int):
+        """Collective, around the parts of a save that fail on every rank at once (DCP's, and rank 0's handed on by
+        _agree): a save that finds no room is abandoned, then raised as NoSpace; other errors go on untouched (a
+        killed save's leftovers are cleared at the next start)."""
+        try:
+            with self._full_is_no_space(step):
+                yield
+        except NoSpace:
+            self._abandon(step)
+            raise
+
+    def _abandon(self, step: int) -> None:
+        """Rank 0 removes what a failed save of `step` left, so that it holds no space and cannot be taken for a
+        checkpoint: its .partial directory, or, where the commit had renamed it into place but its marker was not
+        written, that directory, putting back the committed copy it was replacing (.old). Everyone waits."""
+        tmp, final = self._partial(step), self.root / step_name(step)
+        old = final.with_name(final.name + ".old")
+
+        def tidy() -> None:
+            try:
+                for p in (tmp, old if _committed_dir(final) else final):
+                    if p.is_symlink():
+                        p.unlink()
+                    elif p.exists():
+                        shutil.rmtree(p)
+                if not _committed_dir(final) and old.is_dir() and not old.is_symlink():
+                    os.replace(old, final)
+                    log.warning("restored %s: the save replacing it was abandoned", final)
+                if self.root.is_dir():
+                    fsync_path(self.root)
+            except OSError as e:  # the next start clears whatever is left, as after a killed save
+                log.warning("could not clear the abandoned save of step %d in %s: %s", step, self.root, e)
+        _agree(self.rank, tidy)
 
     def _need_bytes(self, state: dict[str, Any]) -> int:
         mine = torch.tensor([state_bytes(state)], dtype=torch.float64)
@@ -245,16 +343,18 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], extra_json: dict, provenance: dict,
              asynchronous: bool = False) -> None:
         """Saves and commits `step`; with asynchronous=True returns once the shards are staged in memory.
-        NoSpace (on every rank) when the file system cannot hold it."""
+        NoSpace (on every rank, the save abandoned) when the file system is full or the quota spent."""
         assert self.lock is not None, "a read-only CheckpointManager does not save"
         self.wait()  # at most one save in flight
         tmp = self._prepare(step, self._need_bytes(state))
         writer = HDF5Writer(tmp, checksum=True, chunk_bytes=int(self.cfg.chunk_mb * (1 << 20)))
-        if asynchronous:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group, async_stager=self.stager)
-            self.pending = (step, fut, extra_json, provenance)
-            return
-        dcp.save(state, storage_writer=writer)
+        with self._abandoned_if_full(step):
+            if asynchronous:
+                fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
+                                     async_stager=self.stager)
+                self.pending = (step, fut, extra_json, provenance)
+                return
+            dcp.save(state, storage_writer=writer)
         self._commit(step, tmp, extra_json, provenance)
 
     def unfinished(self) -> bool:
@@ -262,43 +362,51 @@ class CheckpointManager:
         return self.pending is not None and not self.pending[1].done()
 
     def wait(self) -> None:
-        """Finishes and commits the save in flight, if any."""
+        """Finishes and commits the save in flight, if any. NoSpace as save()."""
         if self.pending is None:
             return
         step, fut, extra, prov = self.pending
         self.pending = None
-        fut.result()
+        with self._abandoned_if_full(step):  # DCP's error is every rank's: the write ran collectives on async_group
+            fut.result()
         self._commit(step, self._partial(step), extra, prov)
 
     def _commit(self, step: int, tmp: Path, extra_json: dict, provenance: dict) -> None:
+        """Rank 0 commits once every rank's shards are on disk; its error reaches every rank (NoSpace abandons)."""
         if dist.is_initialized():
             dist.barrier()  # every rank's shards are on disk
-        if self.rank == 0:
-            for name, source in self.attach.items():  # small files that travel with every checkpoint (tokenizer)
-                shutil.copyfile(source, tmp / name)
-            _write_json(tmp / EXTRA, extra_json)
-            seq = 1 + max((s for s in map(marker_seq, self.root.iterdir()) if s is not None), default=0)
-            marker = {"step": step, "seq": seq, "marker_version": MARKER_VERSION,
-                      "files": {name: file_crc(tmp / name) for name in (EXTRA, INDEX)}} | provenance
-            final = self.root / step_name(step)
-            old = final.with_name(final.name + ".old")
-            if _committed_dir(final):  # an older save of this step (a resumed run repeating it): kept until this
-                if old.exists():      # commits; a .old beside a committed step is an earlier replaced copy
-                    shutil.rmtree(old)
-                os.replace(final, old)
-            elif final.is_symlink():
-                final.unlink()
-            elif final.exists():  # never committed (a crash before its marker): the good copy, if any, is .old
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _write_json(final / MARKER, marker)  # written last: the commit point (durable, with its entry)
-            fsync_path(self.root)  # the renames
-            if old.exists():
+
+        def commit() -> None:
+            with self._full_is_no_space(step):
+                self._commit_files(step, tmp, extra_json, provenance)
+        with self._abandoned_if_full(step):
+            _agree(self.rank, commit)  # its broadcast is also the barrier after the commit
+
+    def _commit_files(self, step: int, tmp: Path, extra_json: dict, provenance: dict) -> None:
+        """Rank 0: the attached files and train state into tmp, tmp renamed into place, its marker last."""
+        for name, source in self.attach.items():  # small files that travel with every checkpoint (tokenizer)
+            shutil.copyfile(source, tmp / name)
+        _write_json(tmp / EXTRA, extra_json)
+        seq = 1 + max((s for s in map(marker_seq, self.root.iterdir()) if s is not None), default=0)
+        marker = {"step": step, "seq": seq, "marker_version": MARKER_VERSION,
+                  "files": {name: file_crc(tmp / name) for name in (EXTRA, INDEX)}} | provenance
+        final = self.root / step_name(step)
+        old = final.with_name(final.name + ".old")
+        if _committed_dir(final):  # an older save of this step (a resumed run repeating it): kept until this
+            if old.exists():      # commits; a .old beside a committed step is an earlier replaced copy
                 shutil.rmtree(old)
-            log.info("checkpoint step %d committed in %s", step, final)
-            self._prune(final)
-        if dist.is_initialized():
-            dist.barrier()
+            os.replace(final, old)
+        elif final.is_symlink():
+            final.unlink()
+        elif final.exists():  # never committed (a crash before its marker): the good copy, if any, is .old
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_json(final / MARKER, marker)  # written last: the commit point (durable, with its entry)
+        fsync_path(self.root)  # the renames
+        if old.exists():
+            shutil.rmtree(old)
+        log.info("checkpoint step %d committed in %s", step, final)
+        self._prune(final)
 
     def _prune(self, just_committed: Path) -> None:
         """Keeps the newest `keep` checkpoints by commit order and the one just committed; removes only

@@ -237,3 +237,18 @@ def test_sbatch_extra_dict():
     assert job.sbatch_extra_dict() == {"mail-type": "END,FAIL", "requeue": True, "comment": "a=b",
                                        "reservation": ""}
     assert JobConfig().sbatch_extra_dict() == {}
+
+
+def test_run_root_defaults_to_scratch(monkeypatch, tmp_path):
+    # where the site sets $SCRATCH, runs go there, not into the clone (often an NFS home with a small quota)
+    monkeypatch.setenv("SCRATCH", "/scratch/u1")
+    cfg = load_config(None)
+    assert cfg.job.run_root == "/scratch/u1/hpctrain"
+    assert load_config(None, ["job.run_root=elsewhere"]).job.run_root == "elsewhere"
+    # resolved once, when the config is built: the run's config.toml names it, whatever a rank's $SCRATCH says
+    assert 'run_root = "/scratch/u1/hpctrain"' in dump_toml(cfg)
+    monkeypatch.setenv("SCRATCH", "/scratch/other")
+    assert reload(cfg, tmp_path).job.run_root == "/scratch/u1/hpctrain"
+    for unset in (lambda: monkeypatch.delenv("SCRATCH"), lambda: monkeypatch.setenv("SCRATCH", "")):
+        unset()
+        assert load_config(None).job.run_root == JobConfig().run_root == "runs"
