@@ -33,9 +33,10 @@ How the ranks tell each other. The first rank to trip asks every other rank to d
 rendezvous TCPStore: a key set once, compare_set, so one rank is first), and each rank that dumped says so there
 (a line appended with its dump's header, main-thread stack and flight recorder summary, and a counter). Every
 other rank's watchdog sees the request at its next poll and dumps too (it may still be computing, or waiting in a
-collective a stopped peer never joins); each waits until every rank answered or a grace period passed, then ends
-itself through the launch's abort path: submitit's error result, MPI_Abort (every rank of an MPI launch), else the
-peers on its own host that never dumped (stopped, or stuck in the kernel) are killed and the rank exits 1 (srun
+collective a stopped peer never joins). The first rank waits until the count says every rank answered, or a grace
+period passed; the others wait out the grace (so the first rank's diagnosis comes before their aborts). Then each
+ends itself through the launch's abort path: submitit's error result, MPI_Abort (every rank of an MPI launch), else
+the peers on its own host that never dumped (stopped, or stuck in the kernel) are killed and the rank exits 1 (srun
 --kill-on-bad-exit ends the rest). The first rank writes the answers it got into hang/acks.json before it
 diagnoses, so the diagnosis (and the requeue that excludes nodes by it) counts every rank that answered in time,
 even where a shared file system shows the other ranks' dump files a minute late (NFS attribute and lookup caches
@@ -45,8 +46,8 @@ The files stay the record, and the way left when the store does not answer. Its 
 process: a stopped rank 0 takes it along, and a TCPStore client then waits without end (check, add, compare_set
 and get were seen blocking past the client's own timeout; set returns at once). Every store operation therefore
 runs in a helper thread and the watchdog waits for it at most STORE_WAIT_S; while one is stuck the next fail at
-once. The request then goes through hang/request alone (as it always goes there too), which every watchdog
-also looks for at each poll, and says the store did not answer, so diagnose can say why dumps may be missing.
+once. The request then goes through hang/request alone (it is always written there too, and every watchdog looks
+for it at each poll), which says the store did not answer, so diagnose can say why dumps may be missing.
 
 Why a thread of our own: gloo's collective timeout covers c10d calls, but a DTensor functional collective was seen
 waiting past it when a peer was stopped, and a collective timeout names nobody.
@@ -280,7 +281,12 @@ class Watchdog:
             print(f"hpctrain: hang dump of rank {hb.rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
         finally:
-            self._wait_for_answers(t0 + self.limits.grace_s)  # not stop(): the job is ending
+            # not stop(): the job is ending. The others wait out the whole grace, as ever: the first rank ends its
+            # wait no later than they do, so its diagnosis and requeue come before their aborts end the job
+            if initiator:
+                self._wait_for_answers(t0 + self.limits.grace_s)
+            else:
+                time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))
             if initiator:
                 self._keep_answers()
                 snapshot_heartbeats(self.run_dir)
@@ -320,7 +326,8 @@ class Watchdog:
         return bool(won) and not self._asked(path)
 
     def _wait_for_answers(self, deadline: float) -> None:
-        """Until every rank answered through the store, or the grace period ends (a stopped rank never answers)."""
+        """The first rank: until every rank answered through the store, or the grace period ends (a stopped rank
+        never answers)."""
         channel = self.channel
         while channel is not None and time.monotonic() < deadline:
             try:

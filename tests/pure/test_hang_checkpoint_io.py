@@ -131,8 +131,8 @@ def test_a_read_that_stops_is_still_a_hang(tmp_path, monkeypatch) -> None:
     assert "no progress for 1 s in checkpoint (limit 1.001 s: parallel.startup_timeout_s + 0 s for the " \
         "checkpoint's 0.00115 GB at checkpoint.storage_gbps = 1)" in ended[0], ended
     moved = (DATASETS + 2) * 64 * 64 * 4  # the verify pass and the two reads before the one that stopped
-    assert f'"detail": "resume; {moved / 1e6:.1f} MB moved"' in (tmp_path / "run" / "hang" / "rank00000.txt").read_text(), \
-        "the dump says how far the resume got"
+    dump = (tmp_path / "run" / "hang" / "rank00000.txt").read_text()
+    assert f'"detail": "resume; {moved / 1e6:.1f} MB moved"' in dump, "the dump says how far the resume got"
     record("a resume's dataset read that never returns (after the verify pass and two slow reads)",
            f"called a hang {seconds - stopped_after:.1f} s after the last progress (limit {LIMITS.long_s:g} s "
            "plus the checkpoint's bytes at checkpoint.storage_gbps)", None, "checkpoint")
