@@ -109,8 +109,8 @@ def _ending(monkeypatch) -> tuple[list[str], threading.Event]:
 
 
 def _four_ranks(tmp_path, monkeypatch):
-    """Ranks 0, 2, 3 with watchdogs (0 and 3 busy in a checkpoint, 2 in a collective past its step limit: it trips
-    first), rank 1 stopped (its heartbeat in a forward, no watchdog), each rank on a node of its own."""
+    """Ranks 0, 2, 3 for watchdogs (0 and 3 busy in a checkpoint, 2 in a collective, which the test puts past its
+    step limit: it trips first), rank 1 stopped (its heartbeat in a forward, no watchdog), each on a node of its own."""
     ended, released = _ending(monkeypatch)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # the requeue record says "not a Slurm job", nodes named
     limits = watchdog.Limits(step_s=2, long_s=60)  # polls of 0.2 s, a grace of 2.4 s
@@ -118,7 +118,6 @@ def _four_ranks(tmp_path, monkeypatch):
     for r, hb in hbs.items():
         hb.begin_step(5)
         hb.enter({0: "checkpoint", 1: "forward", 2: "collective", 3: "checkpoint"}[r])
-    hbs[2].since -= 30
     return hbs, limits, ended, released
 
 
@@ -147,7 +146,8 @@ def test_answers_reach_the_first_rank_while_files_appear_late(tmp_path, monkeypa
             late.rank_of_thread[dog._thread.ident] = r
             dogs.append(dog)
         dogs[-1].on_end = functools.partial(hangrequeue.after_hang, tmp_path, 1, 4)  # rank 2's, as train.run sets
-        _until(lambda: (tmp_path / "hang.jsonl").exists(), 20, "the first rank never ended the job")
+        hbs[2].since -= 30  # past its step limit, now that the shim knows every watchdog thread's rank
+        _until(lambda: ended and (tmp_path / "hang.jsonl").exists(), 20, "the first rank never ended the job")
         if through_store:
             seconds = _until(lambda: len(ended) == 3, 10, f"not every live rank ended: {ended}")
     finally:
