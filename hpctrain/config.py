@@ -159,6 +159,10 @@ class CheckpointConfig:
     stripe_size_mb: int = 4
     at_end: bool = True  # save once more after the last step
     chunk_mb: float = 0.0  # 0: contiguous HDF5 datasets (one write, one read each); > 0: chunks up to this size
+    # the rate (GB/s) the whole job reads and writes checkpoints at; conservative. The hang watchdog gives a save or
+    # a resume parallel.startup_timeout_s plus the checkpoint's size at this rate, counted from the last dataset
+    # read or written, so a slow but progressing save or resume is never called a hang
+    storage_gbps: float = 0.5
 
     def __post_init__(self) -> None:
         check_fields("checkpoint", self)
@@ -168,6 +172,8 @@ class CheckpointConfig:
         one_of("checkpoint", "verify", self.verify, ("full", "sampled", "none"))
         check(self.stripe_count >= -1, f"checkpoint.stripe_count = {self.stripe_count} must be >= -1")
         check(self.keep >= 2, f"checkpoint.keep = {self.keep} must be >= 2 so one committed checkpoint survives")
+        check(math.isfinite(self.storage_gbps) and self.storage_gbps > 0,
+              f"checkpoint.storage_gbps = {self.storage_gbps} must be a rate above 0 GB/s")
 
 
 @dataclass

@@ -11,6 +11,9 @@ problems and left out):
     hang/request                which rank's watchdog saw the hang first, and why
     hang/rankNNNNN.txt          each live rank's stacks at the hang
     hang/rankNNNNN.fr.json      each live rank's flight recorder: its collectives in flight, per group
+    hang/acks.json              the answers that reached the first rank through the job's store: each a dump's
+                                header, main-thread frames and flight recorder summary; stands in for a rank's
+                                dump files where they are missing (a shared file system shows them late)
     logs/rankNNNNN.log          ERROR lines
     metrics.jsonl               the straggler report of every log step (rank 0's rows): a crawling run's slow ranks
 Every loop and every list is sized by the files the directory holds, never by a number read from one: a rank is
@@ -33,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain import heartbeat, stragglers
+from hpctrain.sections import MAX_WORLD_SIZE
 from hpctrain.untrusted import Untrusted, parse_json, read_bytes
-from hpctrain.watchdog import REQUEST, read_request
+from hpctrain.watchdog import ACKS, REQUEST, flight_summary, read_request
 
 MAX_DUMP_BYTES = 64 << 20  # a flight recorder of 20000 entries is a few MB; anything bigger is not ours
 MAX_LOG_BYTES = 256 << 20
@@ -63,6 +67,7 @@ class Rank:
     has_fr: bool = False
     log_error: str = ""
     late_s: float | None = None  # a dump made this long after the ranks had to answer: not counted
+    via_store: bool = False  # its dump is known from its answer through the store only (hang/acks.json)
 
     @property
     def node(self) -> str:
@@ -124,13 +129,9 @@ def _read_text(path: Path, problems: list[str], limit: int = MAX_DUMP_BYTES) -> 
         return None
 
 
-def parse_dump(text: str, where: str = "hang dump") -> tuple[dict[str, Any], list[str]]:
-    """A hang/rankNNNNN.txt: (its header, the main thread's frames innermost first as 'file:line in func').
-    Raises Untrusted for a dump whose header is missing, not JSON or holds a field of the wrong type."""
-    first, _, rest = text.partition("\n")
-    if not first.startswith(DUMP_MARK):
-        raise Untrusted(f"{where}: no hpctrain hang dump header")
-    header = parse_json(first[len(DUMP_MARK):], where)
+def check_header(header: Any, where: str) -> dict[str, Any]:
+    """A hang dump's header (watchdog.dump_stacks), returned when it is a JSON object whose fields are of their
+    types; Untrusted naming the field otherwise."""
     if not isinstance(header, dict):
         raise Untrusted(f"{where}: its header is not a JSON object")
     for key, types in HEADER_TYPES.items():
@@ -138,6 +139,16 @@ def parse_dump(text: str, where: str = "hang dump") -> tuple[dict[str, Any], lis
         ok = any(_is_number(v) if t == "number" else isinstance(v, t) and not isinstance(v, bool) for t in types)
         if key in header and not ok:
             raise Untrusted(f"{where}: its header's {key} is a {type(v).__name__}")
+    return header
+
+
+def parse_dump(text: str, where: str = "hang dump") -> tuple[dict[str, Any], list[str]]:
+    """A hang/rankNNNNN.txt: (its header, the main thread's frames innermost first as 'file:line in func').
+    Raises Untrusted for a dump whose header is missing, not JSON or holds a field of the wrong type."""
+    first, _, rest = text.partition("\n")
+    if not first.startswith(DUMP_MARK):
+        raise Untrusted(f"{where}: no hpctrain hang dump header")
+    header = check_header(parse_json(first[len(DUMP_MARK):], where), where)
     threads = header.get("threads", {})
     if not all(isinstance(v, str) for v in threads.values()):
         raise Untrusted(f"{where}: its header's threads do not map ids to names")
@@ -155,46 +166,44 @@ def parse_dump(text: str, where: str = "hang dump") -> tuple[dict[str, Any], lis
     return header, frames
 
 
-def _entry_ok(e: Any) -> bool:
-    """A flight recorder entry with the fields read below, each of its type."""
-    if not isinstance(e, dict):
-        return False
-    pg = e.get("process_group")
-    p2p = e.get("is_p2p", False)
-    seq = e.get("p2p_seq_id" if p2p else "collective_seq_id")
-    return (isinstance(pg, list) and len(pg) == 2 and all(isinstance(x, str) for x in pg)
-            and isinstance(p2p, bool) and type(seq) is int and seq >= 0
-            and isinstance(e.get("profiling_name", ""), str) and isinstance(e.get("retired", True), bool)
-            and type(e.get("time_created_ns", 0)) is int)
-
-
 def parse_flight_recorder(text: str, where: str = "flight recorder") -> tuple[dict[str, Any] | None, dict[str, int]]:
     """A hang/rankNNNNN.fr.json: (the earliest collective in flight, {group description: highest seq seen}).
     Entries of the wrong shape are skipped; raises Untrusted for a file that is not a flight recorder's JSON."""
     data = parse_json(text, where)
     if not isinstance(data, dict):
         raise Untrusted(f"{where}: not a JSON object")
-    entries: list[dict[str, Any]] = []
-    for part in ("nccl", "fr"):
-        block = data.get(part)
-        if isinstance(block, dict) and isinstance(block.get("entries"), list):
-            entries += [e for e in block["entries"] if _entry_ok(e)]
-    last: dict[str, int] = {}
-    flight = None
-    for e in sorted(entries, key=lambda e: e.get("time_created_ns", 0)):
-        desc = e["process_group"][1]
-        p2p = e.get("is_p2p", False)
-        seq = e["p2p_seq_id" if p2p else "collective_seq_id"]
-        # a group of an NCCL job has two backends (gloo for host tensors), each counting its own collectives
-        backend, _, op = e.get("profiling_name", "?:?").partition(":")
-        key = f"{backend}:{desc}" + (" p2p" if p2p else "")
-        last[key] = max(last.get(key, 0), seq)
-        if flight is None and e.get("retired") is False:
-            sizes, state = e.get("input_sizes"), e.get("state")
-            flight = {"group": desc, "key": key, "op": op, "seq": seq, "p2p": p2p,
-                      "sizes": sizes if isinstance(sizes, list) else None,
-                      "state": state if isinstance(state, str) else None}
-    return flight, last
+    return flight_summary(data)
+
+
+def _seq(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def parse_ack(ack: Any, where: str) -> tuple[int, dict[str, Any], list[str], dict[str, Any] | None]:
+    """One answer of hang/acks.json (watchdog.answer): (rank, dump header, main-thread frames, flight recorder
+    summary {"in_flight", "last_seq"} or None), every field checked for its type; Untrusted otherwise."""
+    if not isinstance(ack, dict):
+        raise Untrusted(f"{where}: not a JSON object")
+    rank = ack.get("rank")
+    if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
+        raise Untrusted(f"{where}: names no rank in [0, {MAX_WORLD_SIZE})")
+    header = check_header(ack.get("header"), where)
+    if header.get("rank") != rank:
+        raise Untrusted(f"{where}: its header names another rank than {rank}")
+    frames = ack.get("stack", [])
+    if not isinstance(frames, list) or not all(isinstance(f, str) for f in frames):
+        raise Untrusted(f"{where}: its stack is not a list of frames")
+    flight = ack.get("flight")
+    if flight is not None:
+        f, last = (flight.get("in_flight"), flight.get("last_seq")) if isinstance(flight, dict) else (None, None)
+        if not isinstance(last, dict) or not all(isinstance(k, str) and _seq(v) for k, v in last.items()) or (
+                f is not None and not (isinstance(f, dict) and all(isinstance(f.get(k), str) for k in
+                                                                   ("group", "key", "op"))
+                                       and _seq(f.get("seq")) and isinstance(f.get("p2p"), bool))):
+            raise Untrusted(f"{where}: its flight recorder summary is not one")
+        flight = {"in_flight": None if f is None else {k: f[k] for k in ("group", "key", "op", "seq", "p2p")},
+                  "last_seq": last}
+    return rank, header, [x[:300] for x in frames[:MAX_FRAMES]], flight
 
 
 def axis_of(desc: str) -> str:
@@ -274,6 +283,8 @@ def load(run_dir: Path, dirs: dict[str, Any], problems: list[str]) -> dict[int, 
                 r.has_fr = True
             except Untrusted as e:
                 problems.append(str(e))
+    if hang is not None and os.path.lexists(hang / ACKS):
+        _load_acks(hang / ACKS, by_rank, problems)
     for path in sorted(dirs["logs"].glob("rank*.log")) if dirs["logs"] is not None else []:
         m = re.fullmatch(r"rank(\d{5})\.log", path.name)
         text = _read_text(path, problems, MAX_LOG_BYTES) if m else None
@@ -283,6 +294,32 @@ def load(run_dir: Path, dirs: dict[str, Any], problems: list[str]) -> dict[int, 
         if err:
             by_rank.setdefault(int(m.group(1)), Rank(int(m.group(1)))).log_error = err.split(" ERROR ", 1)[1][:300]
     return by_rank
+
+
+def _load_acks(path: Path, by_rank: dict[int, Rank], problems: list[str]) -> None:
+    """The answers the first rank got through the store stand in for the dump files of ranks whose files are not
+    here (not visible yet on a shared file system, or lost): such a rank did dump in time."""
+    text = _read_text(path, problems)
+    if text is None:
+        return
+    try:
+        data = parse_json(text, f"hang/{ACKS}")
+        if not isinstance(data, dict) or not isinstance(data.get("acks"), list):
+            raise Untrusted(f"hang/{ACKS}: not a list of answers")
+    except Untrusted as e:
+        problems.append(str(e))
+        return
+    for i, ack in enumerate(data["acks"]):
+        try:
+            rank, header, frames, flight = parse_ack(ack, f"hang/{ACKS} answer {i + 1}")
+        except Untrusted as e:
+            problems.append(str(e))
+            continue
+        r = by_rank.setdefault(rank, Rank(rank))
+        if r.dump is None:
+            r.dump, r.main_stack, r.via_store = header, frames, True
+        if not r.has_fr and flight is not None:
+            r.in_flight, r.last_seq, r.has_fr, r.via_store = flight["in_flight"], flight["last_seq"], True, True
 
 
 def _when(wall: Any) -> str:
@@ -360,7 +397,7 @@ def _drop_late_dumps(by_rank: dict[int, Rank], request: dict[str, Any]) -> None:
         late = wall is not None and wall > deadline
         if late or (frozen is not None and frozen > 0):
             r.late_s = max(wall - deadline + LATE_MARGIN_S if late else 0.0, frozen or 0.0)
-            r.dump, r.main_stack, r.in_flight, r.last_seq, r.has_fr = None, [], None, {}, False
+            r.dump, r.main_stack, r.in_flight, r.last_seq, r.has_fr, r.via_store = None, [], None, {}, False, False
 
 
 def _hang(run_dir: Path, dirs: dict[str, Any], by_rank: dict[int, Rank], first: dict[str, Any]) -> dict[str, Any]:
@@ -417,6 +454,13 @@ def _hang(run_dir: Path, dirs: dict[str, Any], by_rank: dict[int, Rank], first: 
         ctx = f" ({'; '.join(doing)})" if doing else ""
         lines.append(f"{who(ranks, by_rank)} waited {what}{ctx}" +
                      (f" for {who(target, by_rank)}" if target else ""))
+    told = sorted(r.rank for r in by_rank.values() if r.via_store)
+    if told:
+        lines.append(f"{who(told, by_rank)} answered in time through the job's store (hang/{ACKS}); some of their "
+                     f"dump files were not here when this was read (a shared file system may show them late)")
+    if "store" in first:
+        lines.append(f"the job's store did not carry the request ({first['store']}): the ranks were asked through "
+                     f"hang/request alone, which a shared file system may show late; a missing dump may be a late one")
     try:
         files = [f"hang/{e.name}" for e in sorted(os.scandir(dirs["hang"]), key=lambda e: e.name)
                  if e.is_file(follow_symlinks=False)]

@@ -1,7 +1,9 @@
 """After a hang, the Slurm job goes on without the suspect nodes: the first rank whose watchdog tripped, once every
 live rank has dumped, asks `hpctrain diagnose` who stopped the job. Ranks that left no dump (stopped, dead, stuck
-in the kernel) make their nodes suspect; the job is requeued without them (preempt.requeue_excluding, as the
-preflight does) and resumes from its last committed checkpoint, at most job.hang_requeues times per run. A culprit
+in the kernel; a rank whose answer reached the first rank through the job's store, hang/acks.json, dumped even
+where a shared file system does not show its files yet) make their nodes suspect; the job is requeued without
+them (preempt.requeue_excluding, as the preflight does) and resumes from its last committed checkpoint, at most
+job.hang_requeues times per run. A culprit
 that was alive and busy (it dumped its stack: a bug, a deadlock in code) is not a node's fault: the job just ends.
 
     why = after_hang(run_dir, limit=1, num_nodes=2)   # one line; RUN_DIR/hang.jsonl records every hang's outcome

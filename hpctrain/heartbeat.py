@@ -6,6 +6,8 @@ job, `hpctrain diagnose` can read it, and how long the rank spent working and wa
     hb.enter("collective", "all_reduce of the loss on dp")  # a wait for other ranks
     hb.begin_step(12)                                     # step 12 begins (its phases follow)
     compute_s, wait_s = hb.take_times()                   # since the last take (log steps)
+    hb.advance(0, total=846 * 10**9)                      # a checkpoint's read or write moves this much in all
+    hb.advance(nbytes)                                    # bytes of it read or written just now: progress
 
 Cheap enough for every phase of every step: a phase change is a clock read and one copy of a short line into a
 shared file mapping (no system call, no lock). The kernel owns the mapped page, so the last line survives the
@@ -21,6 +23,13 @@ and every fact's type.
 Phases: startup, data, forward, backward, optimizer, collective (waiting on a group: an explicit collective, or
 the gradient reduction DDP/FSDP finish after the backward's compute), eval, checkpoint, done. Time in collective
 counts as wait, everything else as compute. Imports hpctrain.untrusted and the config's rank limit, no torch.
+
+A checkpoint's read or write (a resume reads the whole checkpoint twice) is one long phase that can take far
+longer than any fixed limit on slow storage: the checkpoint code reports every dataset it reads or writes
+(advance()), so the watchdog measures its idle time from the last bytes moved, not from the phase's start, and
+grows the phase's limit by the time the whole job's bytes take at the configured storage rate. advance() may come
+from a background saver's thread: it only sets numbers; the mapped line is rewritten from the heartbeat's own
+thread only (two writers could tear it).
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -71,6 +81,10 @@ class Heartbeat:
         self.wall = time.time()  # the same moment on the wall clock (written out; comparable across hosts)
         self.changes = 0
         self.times = [0.0, 0.0]  # seconds computing, waiting: since the last take_times()
+        self.progressed = self.since  # when checkpoint bytes last moved (advance()): the watchdog's idle clock
+        self.moved = 0  # bytes of checkpoint data read or written since the phase began
+        self.io_total = 0  # bytes the job's current checkpoint read or write moves in all (advance(total=...))
+        self._owner = threading.get_ident()  # the one thread that writes the mapped line
         self.device_clock = device_clock
         self._mm: mmap.mmap | None = None
         self.facts = dict(facts or {}, rank=rank, pid=os.getpid(), started=round(self.wall, 3))
@@ -111,7 +125,27 @@ class Heartbeat:
         if self.device_clock is not None and waiting != was_waiting:
             self.device_clock.mark(waiting)
         self.phase, self.detail, self.since, self.wall = phase, detail, now, time.time()
+        self.moved = 0
         self._write()
+
+    def advance(self, nbytes: int = 0, total: int | None = None) -> None:
+        """Checkpoint data moved: `nbytes` read or written just now (progress: the watchdog's idle clock starts
+        again); `total`, when given, is what the whole job's read or write of the checkpoint moves (its time at the
+        storage rate is added to the long limit). Safe from any thread (a background save's)."""
+        self.progressed = time.monotonic()
+        self.moved += nbytes
+        if total is not None:
+            self.io_total = total
+        if threading.get_ident() == self._owner:
+            self._write()
+
+    @property
+    def described(self) -> str:
+        """The phase's detail, with the checkpoint bytes moved in it so far."""
+        if not self.moved:
+            return self.detail
+        moved = f"{self.moved / 1e9:.1f} GB" if self.moved >= 1e9 else f"{self.moved / 1e6:.1f} MB"
+        return f"{self.detail}; {moved} moved" if self.detail else f"{moved} moved"
 
     def begin_step(self, step: int) -> None:
         """The step being worked on from now: its phases, and the checks and saves after it, carry its number
@@ -131,7 +165,7 @@ class Heartbeat:
         self.changes += 1
         if self._mm is None:
             return
-        detail = self.detail.encode("ascii", "replace")[:160]
+        detail = self.described.encode("ascii", "replace")[:160]
         body = b"%d %d %s %.3f" % (self.changes, self.step, self.phase.encode(), self.wall)
         line = b"HB %s %08x %s" % (body, zlib.crc32(body + b" " + detail), detail)
         self._mm[:LIVE_BYTES] = line.ljust(LIVE_BYTES - 1) + b"\n"

@@ -29,7 +29,7 @@ from hpctrain.config import Config, dump_toml
 from hpctrain.heartbeat import Heartbeat
 from hpctrain.plan import Plan, make_plan
 from hpctrain.preempt import PreemptionFlag, process_flag
-from hpctrain.watchdog import Limits, Peer, Watchdog, keep_earlier_hang
+from hpctrain.watchdog import Limits, Peer, StoreChannel, Watchdog, keep_earlier_hang
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,23 @@ def _keep_earlier_hang(run_dir: Path, rank: int) -> None:
     dist.broadcast_object_list(box, src=0)
     if rank == 0 and box[0]:
         log.warning("%s", box[0])
+
+
+def _hang_channel(world_size: int) -> StoreChannel | None:
+    """The watchdog's way to ask the other ranks to dump and hear their answers without a shared file system's
+    caches: a client of the job's store of its own (Store.clone(), a second connection to rank 0's server: one
+    client serves one thread at a time, and the main thread's may be in a long wait). None for one rank, or when
+    there is no store to clone (the watchdog then uses files only). torch keeps the store init_process_group was
+    given (rendezvous.init_distributed hands it over, under the job's secret prefix); the hang's keys go under a
+    prefix of their own."""
+    if world_size == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()
+    except (RuntimeError, ValueError, AttributeError) as e:  # no default group, or a store without clone
+        log.warning("hang requests go through files only (no store client for the watchdog: %s)", e)
+        return None
+    return StoreChannel(dist.PrefixStore("hpctrain-hang/", store), world_size)
 
 
 def cpu_threads(ranks_on_host: int) -> int:
@@ -184,7 +201,8 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
                                                         "local_rank": ident.local_rank, "job_id": ident.job_id,
                                                         "launcher": ident.launcher})
         if p.hang_limits_s is not None:
-            s.watchdog = Watchdog(s.heartbeat, s.run_dir, Limits(*p.hang_limits_s))
+            limits = Limits(*p.hang_limits_s, storage_bps=cfg.checkpoint.storage_gbps * 1e9)
+            s.watchdog = Watchdog(s.heartbeat, s.run_dir, limits, channel=_hang_channel(ident.world_size))
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",
                  ident.rank, ident.world_size, ident.node_name, ident.local_rank, ident.node_index,
                  ident.num_nodes, ident.launcher, ident.job_id, device, time.time() - t0)

@@ -343,7 +343,7 @@ class Trainer:
                       {"scheduler": self.scheduler, "scaler": self.scaler, "data": self.loader},
                       fill=self.pm.fill, loaded=self.pm.loaded, nonfinite=lambda: self.nonfinite.check(self.step))
         return Checkpointer(self.cfg, dataclasses.asdict(self.plan.layout), self.s.run_dir, self.s.rank,
-                            self.device, saved, phase=self.hb.enter)
+                            self.device, saved, phase=self.hb.enter, progress=self.hb.advance)
 
     def start(self, ckpt: Checkpointer) -> int | None:
         """The weights training starts from: a checkpoint per train.resume, else train.init_from's Hugging Face

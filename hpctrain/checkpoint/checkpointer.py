@@ -82,15 +82,17 @@ class Saved:
 
 class Checkpointer:
     def __init__(self, cfg: Config, layout: dict[str, int], run_dir: Path, rank: int, device: torch.device,
-                 saved: Saved, phase: Callable[[str, str], Any] = lambda phase, detail: None) -> None:
+                 saved: Saved, phase: Callable[[str, str], Any] = lambda phase, detail: None,
+                 progress: Callable[..., Any] = lambda nbytes, total=None: None) -> None:
         """Collective: rank 0 takes the checkpoint directory's lock; the hosts of the provenance are gathered
         once here, not at every save. phase(name, detail) is told when a save or its wait begins (the trainer's
-        heartbeat: the hang watchdog gives checkpoints the long limit)."""
+        heartbeat: the hang watchdog gives checkpoints the long limit); progress(nbytes, total=None) of the bytes
+        a save or load moves, as they move (Heartbeat.advance: a slow save or resume that progresses is no hang)."""
         self.cfg, self.run_dir, self.rank, self.device, self.saved = cfg.checkpoint, Path(run_dir), rank, device, saved
-        self.phase = phase
+        self.phase, self.progress = phase, progress
         self.resume, self.total_steps = cfg.train.resume, cfg.train.steps
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.mgr = CheckpointManager(self.cfg, self.run_dir, rank)
+        self.mgr = CheckpointManager(self.cfg, self.run_dir, rank, progress=progress)
         self.mgr.attach, skipped = hf_import.tokenizer_files(hfconfig.hf_dir(cfg.train.init_from), cfg.data.files)
         if skipped and rank == 0:
             log.warning("tokenizer files not recorded in checkpoints: %s", ", ".join(skipped))
@@ -220,7 +222,7 @@ class Checkpointer:
                 if not committed(other):
                     raise ValueError(f"train.resume = {r!r}: no committed checkpoint there")
                 source = CheckpointManager(dataclasses.replace(self.cfg, dir=str(other)), self.run_dir, self.rank,
-                                           writer=False)
+                                           writer=False, progress=self.progress)
             found = source.load_latest(self._make)
             if found is None:
                 if r != "auto":

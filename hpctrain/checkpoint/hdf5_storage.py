@@ -21,6 +21,9 @@ a fresh torch.save of the parsed value. A pickle in a file is refused, never loa
 
     dcp.save(state_dict, storage_writer=HDF5Writer(step_dir))
     dcp.load(state_dict, storage_reader=HDF5Reader(step_dir, verify="sampled"))
+
+Both take `progress`, called with the bytes of every dataset once it is written or read (the rank's heartbeat:
+a long save or load that moves bytes is not a hang; hpctrain.watchdog).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import quote
 
 import h5py
@@ -93,6 +96,12 @@ VERIFY_MODES = ("full", "sampled", "none")
 SAMPLE_FRACTION = 1 / 8  # share of datasets verify="sampled" checks
 # an index.json larger than this is damage: ~200 bytes a stored item, so a million shards of a large job fit
 MAX_INDEX_BYTES = 1 << 30
+
+
+def _no_progress(nbytes: int) -> None:
+    pass
+
+
 class CheckpointCorrupt(Exception):
     """A checkpoint's index, file or dataset is missing, truncated, unreadable or fails its checksum."""
 
@@ -147,8 +156,10 @@ def untrusted_corrupt(path: Path, e: Untrusted) -> CheckpointCorrupt:
 class HDF5Writer(StorageWriter):
     """DCP StorageWriter: each rank writes shard-<rank>.h5; the coordinator writes index.json last."""
 
-    def __init__(self, path: str | os.PathLike, checksum: bool = True, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, path: str | os.PathLike, checksum: bool = True, chunk_bytes: int = CHUNK_BYTES,
+                 progress: Callable[[int], Any] = _no_progress):
         self.path, self.checksum, self.chunk_bytes = Path(path), checksum, chunk_bytes
+        self.progress = progress  # told the bytes of each dataset written (from a background thread in async saves)
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -209,6 +220,7 @@ class HDF5Writer(StorageWriter):
                     make.uint32_attr(dsid, "crc32", crc)
                 offset = dsid.get_offset() if chunks is None else None  # None too when nothing was stored
                 dsid.close()
+                self.progress(arr.nbytes)
                 stored.append((item.index, Stored(name, dataset, dtype, arr.nbytes, crc, file_offset=offset,
                                                   shape=tuple(arr.shape))))
             f.flush()
@@ -244,10 +256,11 @@ class HDF5Reader(StorageReader):
     slice is wanted), "sampled" only those `verifies()` picks, "none" none. File sizes are checked in every mode.
     """
 
-    def __init__(self, path: str | os.PathLike, verify: str = "full"):
+    def __init__(self, path: str | os.PathLike, verify: str = "full", progress: Callable[[int], Any] = _no_progress):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}; expected one of {', '.join(VERIFY_MODES)}")
         self.path, self.verify = Path(path), verify
+        self.progress = progress  # told the bytes of each dataset read
         self.storage_data: dict[MetadataIndex, Stored] = {}
         self.save_id = ""
         self.load_id = uuid.uuid4().hex
@@ -328,6 +341,7 @@ class HDF5Reader(StorageReader):
                         prefetcher.submit(prefetch, self.path / name, byte_ranges(rest))
                     for dsid, items in opened:
                         self._read_dataset(dsid, items[0][1], [req for req, _ in items], planner)
+                        self.progress(items[0][1].nbytes)
         future: Future[None] = Future()
         future.set_result(None)
         return future

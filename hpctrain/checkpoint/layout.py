@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpctrain.checkpoint.h5file import crc32
 from hpctrain.checkpoint.hdf5_storage import (
@@ -120,14 +120,14 @@ def read_committed(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         # a load allocates the saved world's RNG table before it reads a byte (state.rng_table): a number read
         # sizes nothing larger than the shard files that must hold that table (beyond a size harmless anywhere,
         # so a missing or linked shard is reported by the data check, which names it)
-        need, held = rng_table_bytes(world), _shard_bytes(ckpt)
+        need, held = rng_table_bytes(world), shard_bytes(ckpt)
         if need > max(held, _SMALL_TABLE):
             raise CheckpointCorrupt(ckpt / EXTRA, None, f"world_size {world} needs an RNG table of {need} bytes; "
                                                         f"the shard files hold {held}")
     return marker, extra
 
 
-def _shard_bytes(ckpt: Path) -> int:
+def shard_bytes(ckpt: Path) -> int:
     """Bytes of the regular files named shard-<rank>.h5 in the checkpoint directory (links not followed)."""
     total = 0
     with os.scandir(ckpt) as entries:
@@ -146,10 +146,12 @@ class Verdict:
     unchecksummed: int = 0  # datasets saved without a crc32 (HDF5Writer(checksum=False))
 
 
-def verify_data(ckpt: Path, mode: str = "full", share: tuple[int, int] = (0, 1), v: Verdict | None = None) -> Verdict:
+def verify_data(ckpt: Path, mode: str = "full", share: tuple[int, int] = (0, 1), v: Verdict | None = None,
+                progress: Callable[[int], Any] = lambda nbytes: None) -> Verdict:
     """index.json, then every dataset of the shard files in this share (files i with i % share[1] == share[0]):
     present, of the indexed size, shape and dtype, a JSON value where one is stored, and in mode "full" (every
-    dataset) or "sampled" (the subset a sampled load checks) of the committed crc32. Problems are collected."""
+    dataset) or "sampled" (the subset a sampled load checks) of the committed crc32. Problems are collected.
+    progress(nbytes) is told of every dataset checked (the bytes it read: 0 when it only looked)."""
     v = v or Verdict()
     reader = HDF5Reader(ckpt, verify=mode)
     try:
@@ -171,10 +173,12 @@ def verify_data(ckpt: Path, mode: str = "full", share: tuple[int, int] = (0, 1),
             continue
         with f:
             for s in items:
+                read = v.bytes_hashed
                 try:
                     _verify_dataset(f, ckpt, s, reader.verifies(s.file, s.dataset), v)
                 except CheckpointCorrupt as e:
                     v.problems.append(str(e))
+                progress(v.bytes_hashed - read)
     return v
 
 

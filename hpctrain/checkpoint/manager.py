@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from hpctrain.checkpoint.layout import (
     marker_seq,
     parse_name,
     read_committed,
+    shard_bytes,
     step_name,
     verify_data,
 )
@@ -193,9 +194,13 @@ def _gather(obj: Any) -> list[Any]:
 
 
 class CheckpointManager:
-    def __init__(self, ccfg: CheckpointConfig, run_dir: Path, rank: int, writer: bool = True) -> None:
-        """writer=False reads another run's checkpoints: no lock, no clean-up, no saves."""
+    def __init__(self, ccfg: CheckpointConfig, run_dir: Path, rank: int, writer: bool = True,
+                 progress: Callable[..., Any] = lambda nbytes, total=None: None) -> None:
+        """writer=False reads another run's checkpoints: no lock, no clean-up, no saves. progress(nbytes,
+        total=None) is told the whole job's bytes when a save or load begins (total) and every dataset's bytes
+        as they are written, checked or read (the rank's heartbeat, Heartbeat.advance)."""
         self.cfg = ccfg
+        self.progress = progress
         self.root = Path(ccfg.dir) if ccfg.dir else Path(run_dir) / "checkpoints"
         self.rank = rank
         self.lock = None
@@ -346,8 +351,11 @@ class CheckpointManager:
         NoSpace (on every rank, the save abandoned) when the file system is full or the quota spent."""
         assert self.lock is not None, "a read-only CheckpointManager does not save"
         self.wait()  # at most one save in flight
-        tmp = self._prepare(step, self._need_bytes(state))
-        writer = HDF5Writer(tmp, checksum=True, chunk_bytes=int(self.cfg.chunk_mb * (1 << 20)))
+        need = self._need_bytes(state)
+        self.progress(0, total=need)
+        tmp = self._prepare(step, need)
+        writer = HDF5Writer(tmp, checksum=True, chunk_bytes=int(self.cfg.chunk_mb * (1 << 20)),
+                            progress=self.progress)
         with self._abandoned_if_full(step):
             if asynchronous:
                 fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
@@ -430,8 +438,10 @@ class CheckpointManager:
             if not (path / MARKER).is_file():
                 raise CheckpointCorrupt(path, None, f"not a committed checkpoint (no {MARKER} marker)")
             _, extra = read_committed(path)
+            self.progress(0, total=shard_bytes(path))  # the files' sizes on disk: no number read from them
             state = make_state(extra)  # raises ValueError for a train state of the wrong shape
-            problems = verify_data(path, self.cfg.verify, share=(self.rank % world, world)).problems
+            problems = verify_data(path, self.cfg.verify, share=(self.rank % world, world),
+                                   progress=self.progress).problems
             if problems:
                 why = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
         except (CheckpointCorrupt, ValueError, TypeError, KeyError, OSError) as e:
@@ -441,7 +451,8 @@ class CheckpointManager:
             raise CheckpointCorrupt(path, None, "; ".join(refused[:4]))
         planner = TouchLoadPlanner()
         try:
-            dcp.load(state, storage_reader=HDF5Reader(path, verify=self.cfg.verify), planner=planner)
+            dcp.load(state, storage_reader=HDF5Reader(path, verify=self.cfg.verify, progress=self.progress),
+                     planner=planner)
         except (Exception, CheckpointException) as e:  # every rank raises: DCP gathers each rank's errors
             if _any_rank(planner.touched):
                 raise PartialLoad(f"loading {path} failed after its data reached the model and optimizer ({e}); "
