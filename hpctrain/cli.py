@@ -100,12 +100,14 @@ def main(ctx: click.Context) -> None:
 def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool, no_memory_check: bool) -> None:
     """Submit CONFIG as a job: to Slurm when it is reachable, else run locally."""
     from hpctrain import launch, mesh
+    from hpctrain.planner import fds
 
     cfg = _load(config, overrides)
     if dry_run:
         plan = launch.check_layout(cfg, click.echo, strict_data=False)
         launch.predict_fit(cfg, plan, click.echo, memory_check=not no_memory_check)
         launch.check_storage(cfg, plan, click.echo)
+        click.echo("\n".join(fds.check(cfg, plan.layout)))
         layout = plan.layout
         if cfg.world_size <= 512:
             rows = mesh.rank_table(layout, plan.node_of_rank)

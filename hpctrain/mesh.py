@@ -215,7 +215,9 @@ def build_mesh(layout: Layout, node_of_rank: Sequence[int], device_type: str) ->
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl")
+    # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl"), its
+    # gloo connecting a pair on their first message (rendezvous.lazy_gloo): an axis whose collectives all run on the
+    # device holds no gloo connection, and no call site can hand an axis a host tensor it cannot serve
     device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=AXES)
     return Mesh(layout, device_mesh, list(node_of_rank), rank=dist.get_rank())
 

@@ -43,6 +43,20 @@ follows GLOO_SOCKET_IFNAME), and a host collective is a TCP round trip, so per-s
 poll) keep passing the rank's device and stay on NCCL. device_id is still passed for NCCL: the communicator
 connects at init, on the bound GPU, and subgroups split from it. tests/multiproc/test_device_collectives.py checks
 this on CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
+
+gloo connects lazily (lazy_gloo): a pair of ranks opens its TCP connection on its first message, not every pair of
+every group when the group is made. Eager gloo held one socket per peer per group on every rank (at 64 x 8 ranks
+with asynchronous saves about 1.1k per rank, past the 1024 soft `nofile` limit many sites give jobs); lazily a rank
+holds only the peers its collectives reach: ring neighbours, broadcast-tree and barrier partners (a few times
+log2 of the group) and, for the rank that gathers (rank 0 of the world and async-save groups), every peer. An NCCL
+job's mesh axes keep their gloo for host tensors (nothing to get wrong at a call site) and, since their host
+collectives are rare, hold almost no connection. Chosen over NCCL-only axis groups: those would save only each
+group's idle transport (4 descriptors) at the price of a "No backend type" error for any host tensor on an axis.
+A connection problem between two ranks now shows at their first message (the group checks at start reach the
+ring neighbours), not at group creation, and a peer that dies before a pair's first message can leave the other
+waiting past gloo's timeout (pytorch/gloo issue 520): the hang watchdog (parallel.hang_timeout_s) ends such a job.
+Groups split from an NCCL world (eager init) make their gloo part in C++ under the same setting; only a GPU run
+can show their sockets. hpctrain/planner/fds.py counts what a layout needs.
 """
 from __future__ import annotations
 
@@ -382,6 +396,13 @@ def backend_config(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def lazy_gloo() -> None:
+    """gloo groups made from here on connect a pair of ranks on its first message (see the module docstring); an
+    explicit TORCH_GLOO_LAZY_INIT in the environment wins. torch reads it when it makes a gloo transport, so it
+    is set before the first group."""
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+
+
 def emulated_device_backend(config: str) -> str:
     """The backend string with every NCCL entry served by gloo instead, each for the same device types only:
     "nccl" -> "cuda:gloo", a group that refuses host tensors with NCCL's own error on a CPU-only torch."""
@@ -411,6 +432,7 @@ def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 60
     device = torch.device("cpu") if emulate else bind_device(ident, backend)
     timeout = timedelta(seconds=timeout_s)
     config = emulated_device_backend(backend_config(backend)) if emulate else backend_config(backend)
+    lazy_gloo()
     kwargs: dict[str, Any] = {"backend": config, "rank": ident.rank, "world_size": ident.world_size,
                               "timeout": timeout}
     if backend == "nccl" and not emulate:

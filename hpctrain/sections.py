@@ -96,6 +96,10 @@ class JobConfig:
     # (stopped, dead, stuck in the kernel), at most this many times per run; it resumes from its last checkpoint
     # (hpctrain/hangrequeue.py); 0: a hung job just ends
     hang_requeues: int = 1
+    # the compute nodes' hard limit on open files (their `ulimit -Hn`): each rank raises its soft limit to the hard
+    # one at start, and the dry run refuses a layout whose rank 0 would need more (hpctrain/planner/fds.py); 0: the
+    # submitting host's hard limit, assumed to be the compute nodes' too
+    nofile: int = 0
 
     def __post_init__(self) -> None:
         check_fields("job", self, one_line=True)
@@ -104,7 +108,7 @@ class JobConfig:
         one_of("job", "executor", self.executor, ("auto", "slurm", "local"))
         positive("job", self, "nodes", "tasks_per_node", "cpus_per_task", "time_min")
         positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", "hang_requeues",
-                 allow_zero=True)
+                 "nofile", allow_zero=True)
         ranks = self.nodes * self.tasks_per_node
         check(ranks <= MAX_WORLD_SIZE, f"job.nodes = {self.nodes} x job.tasks_per_node = {self.tasks_per_node} = "
                f"{ranks} ranks, more than the {MAX_WORLD_SIZE} hpctrain plans for")

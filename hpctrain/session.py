@@ -7,6 +7,11 @@ checked all-reduce, and rank 0's summary.json. Payloads (training, benchmarks) r
 s.preempt is the process's PreemptionFlag, installed before the rendezvous (the `train` command installs it even
 earlier): a USR2/TERM during start-up waits there for the payload's first poll.
 
+Before the rendezvous every rank raises its soft limit on open files to its hard limit (raise_open_files): Slurm
+hands tasks the soft limits of the shell that submitted, often 1024 from a login node, while rank 0 holds a store
+connection per rank and gloo connections to every peer of the world (hpctrain/planner/fds.py counts them). The
+rank's log says when it raised the limit; summary.json keeps rank 0's ("open_files").
+
 Every rank sees the same gathered identities, so a refused layout is refused on all ranks alike (no hang).
 """
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import logging
 import os
 import platform
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -51,6 +57,44 @@ class Session:
     @property
     def rank(self) -> int:
         return self.ident.rank
+
+
+def raise_open_files() -> dict[str, Any]:
+    """Raises this process's soft RLIMIT_NOFILE to its hard limit (the most an unprivileged process may ask for).
+    Returns {"soft_was", "soft", "hard"}, and "error" when the kernel refused (the limit stays as it was)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    out: dict[str, Any] = {"soft_was": soft, "soft": soft, "hard": hard}
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            out["soft"] = hard
+        except (ValueError, OSError) as e:  # an unlimited hard limit past the kernel's nr_open, say
+            out["error"] = str(e)
+    return out
+
+
+def _say_open_files(rank: int, limits: dict[str, Any]) -> None:
+    if "error" in limits:
+        log.warning("rank %d: the soft limit on open files stays %d: raising it to the hard limit %d failed (%s)",
+                    rank, limits["soft"], limits["hard"], limits["error"])
+    elif limits["soft"] != limits["soft_was"]:
+        log.info("rank %d: soft limit on open files raised from %d to the hard limit %d", rank, limits["soft_was"],
+                 limits["soft"])
+
+
+def _check_open_files(s: Session) -> None:
+    """Rank 0 warns when its limit is below what planner/fds.py counts for the layout: the dry run checked the
+    layout against job.nofile, an assumption; this is the limit the compute node gave."""
+    from hpctrain.planner import fds
+
+    if s.rank != 0 or s.plan is None:
+        return
+    need = fds.estimate(fds.job_of(s.cfg, s.plan.layout)).total(0)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and need > soft:
+        log.warning("rank 0 may need up to %d open files but may open %d: past it the job ends with 'Too many open "
+                    "files'; raise the nodes' hard limit (`ulimit -Hn`; `hpctrain submit --dry-run` lists what "
+                    "needs them)", need, soft)
 
 
 def _agree_run_dir(cfg: Config, run_dir: Path | None, rank: int) -> Path:
@@ -132,6 +176,7 @@ def _build_mesh(s: Session) -> None:
     s.summary["cpu_threads_per_rank"] = threads
     node_of_rank = [i.node_index for i in idents]
     s.plan = make_plan(s.cfg, node_of_rank, training=False)  # the trainer adds its part (plan.with_training)
+    _check_open_files(s)
     layout = s.plan.layout
     rows = mesh.rank_table(layout, node_of_rank, [i.node_name for i in idents], [i.local_rank for i in idents])
     s.summary["layout"] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
@@ -184,6 +229,7 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
     and destroy_process_group could wait on a peer that is stopped or stuck in a collective."""
     t0 = time.time()
     flag = process_flag()  # first: a preemption signal from here on is kept, not fatal
+    open_files = raise_open_files()  # before MPI, the store and gloo open theirs; said once the log is set up
     ident = rendezvous.identify(cfg.parallel.rendezvous)
     inject_fault("rendezvous", ident.rank)
     rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
@@ -196,6 +242,7 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank),
                     preempt=flag)
         runs.setup_logging(s.run_dir, ident.rank)
+        _say_open_files(ident.rank, open_files)
         _keep_earlier_hang(s.run_dir, ident.rank)
         s.heartbeat = Heartbeat(s.run_dir, ident.rank, {"host": ident.host, "node": ident.node_name,
                                                         "local_rank": ident.local_rank, "job_id": ident.job_id,
@@ -209,7 +256,7 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
         s.summary.update({
             "ok": False, "launcher": ident.launcher, "job_id": ident.job_id, "world_size": ident.world_size,
             "num_nodes": ident.num_nodes, "backend": dist.get_backend(), "torch": torch.__version__,
-            "python": platform.python_version(), "run_dir": str(s.run_dir),
+            "python": platform.python_version(), "run_dir": str(s.run_dir), "open_files": open_files,
         })
         try:
             _build_mesh(s)

@@ -14,7 +14,10 @@ each:
      preemption poll) on our default group, and the gradient norm of a pipeline rank without gradients (its
      zero must be made on the rank's device, not on torch's default one);
   3. training with periodic asynchronous and final saves, then a resume, through session.start; every process
-     group alive at the end (mesh axes, FSDP, the async checkpoint group, ...) must serve host tensors.
+     group alive at the end (mesh axes, FSDP, the async checkpoint group, ...) must serve host tensors through
+     gloo, connecting lazily (rendezvous.lazy_gloo): no host tensor can reach a group without gloo, and an axis
+     whose collectives all run on the device pays only gloo's idle transport (tests/multiproc/test_open_files.py
+     counts the sockets).
 
     .venv/bin/python -m pytest tests/multiproc/test_device_collectives.py -q
 """
@@ -129,11 +132,13 @@ def test_pipeline_rank_without_gradients_reduces_on_the_device(ranks):
 def test_training_saves_and_resumes_with_every_group_serving_host_tensors(ranks):
     for r in ranks:
         groups = r["train"].pop("groups", [])
+        assert r["train"].pop("lazy_gloo", None) == "1", r["train"]
         r.get("resume", {}).pop("groups", None)
+        r.get("resume", {}).pop("lazy_gloo", None)
         assert r["train"] == {"steps": 4, "resumed_from": None}, r["train"]
         assert r.get("resume") == {"steps": 6, "resumed_from": 4}, r["resume"]
         # the world, the mesh's own pp and tp groups (its dp group of 2 is the world) and the async checkpoint group
         assert {"default_pg", "mesh_pp", "mesh_tp"} <= {g["desc"] for g in groups} and len(groups) >= 4, groups
-        assert not [g for g in groups if "cpu" not in g["devices"]], groups
+        assert not [g for g in groups if "cpu" not in g["devices"] or g["cpu_backend"] != "gloo"], groups
         # no per-node groups: training never uses them, and each NCCL communicator costs device memory
         assert not [g for g in groups if g["desc"] in ("mesh_intra", "mesh_inter")], groups

@@ -40,10 +40,11 @@ def test_cli_absurd_world_size_fails_fast_and_16k_ranks_dry_run():
     out = hpctrain("submit", str(EXAMPLE), "--dry-run", "--set", "job.nodes=10000000000", timeout=60,
                    preexec_fn=limited_memory)
     clean_cli_error(out, "job.nodes = 10000000000", "1048576")
-    # 2048 nodes x 8: pp=16 x dp=128 x tp=8 keeps the printed rank map (one line per rank) small
+    # 2048 nodes x 8: pp=16 x dp=128 x tp=8 keeps the printed rank map (one line per rank) small; rank 0 of 16k
+    # ranks holds about 33k open files (planner/fds.py): nodes with a hard limit of 2^20, as many sites set
     out = hpctrain("submit", str(EXAMPLE), "--dry-run", *sum((["--set", kv] for kv in [
         "job.nodes=2048", "job.tasks_per_node=8", "parallel.tp=8", "parallel.pp=16", "model.n_layers=16",
-        "model.n_heads=8", "train.grad_accum=16", "train.micro_batch_size=1"]), []),
+        "model.n_heads=8", "train.grad_accum=16", "train.micro_batch_size=1", "job.nofile=1048576"]), []),
         timeout=120, preexec_fn=limited_memory)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "#SBATCH --nodes=2048" in out.stdout and "#SBATCH --ntasks-per-node=8" in out.stdout

@@ -37,9 +37,9 @@ LEVELS: list[list[str]] = [
      "checkpoint/lock", "doctor_report"],
     # 4: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
     # single-device model; what checkpoints cost; what a host says about itself (storage, environment); the hang
-    # watchdog; the straggler report
+    # watchdog; the straggler report; the open files a layout needs
     ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing", "databuild", "hostprobe",
-     "watchdog", "stragglers"],
+     "watchdog", "stragglers", "planner/fds"],
     # 5: one module per parallelism; the planner's model-state memory
     ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
      "planner/peak", "tokenized", "blend", "diagnose"],

@@ -91,7 +91,16 @@ def _no_grad_pp_rank(rank: int) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
+def _cpu_backend(pg) -> str:
+    """The name of the backend a group hands host tensors to ("" when it has none)."""
+    import torch
+
+    return pg._get_backend(torch.device("cpu")).name() if torch.device("cpu") in pg._device_types else ""
+
+
 def _train(overrides: list[str]) -> dict:
+    import os
+
     from torch.distributed import distributed_c10d as c10d
 
     from hpctrain import session
@@ -101,9 +110,10 @@ def _train(overrides: list[str]) -> dict:
     try:
         with session.start(load_config(None, TINY + overrides)) as s:
             res = Trainer(s.cfg, s).fit()
-            groups = [{"desc": pg.group_desc, "devices": sorted(d.type for d in pg._device_types)}
-                      for pg in c10d._world.pg_map]
-        return {"steps": res["steps"], "resumed_from": res["resumed_from"], "groups": groups}
+            groups = [{"desc": pg.group_desc, "devices": sorted(d.type for d in pg._device_types),
+                       "cpu_backend": _cpu_backend(pg)} for pg in c10d._world.pg_map]
+        return {"steps": res["steps"], "resumed_from": res["resumed_from"], "groups": groups,
+                "lazy_gloo": os.environ.get("TORCH_GLOO_LAZY_INIT")}
     except Exception as e:  # noqa: BLE001 -- recorded for the test to judge
         return {"error": f"{type(e).__name__}: {e}"}
 
