@@ -345,6 +345,8 @@ def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=pr
     plan = check_layout(cfg, echo)
     predict_fit(cfg, plan, echo, memory_check)
     check_storage(cfg, plan, echo)
+    from hpctrain.planner import fds
+    fds.check(cfg, plan.layout)  # a layout past the compute nodes' open-files limit is refused, as the dry run does
     kind, why = choose_executor(cfg)
     if kind == "slurm":
         check_cluster(cfg, echo)

@@ -7,6 +7,7 @@
 Every row is an upper bound for one rank, counted from how each part opens descriptors:
 - rendezvous store (torch's TCPStore): rank 0 listens, holds one connection per rank (its own client's included),
   its own client, and the server loop's 2 (io_uring or epoll, and an eventfd); every other rank one connection.
+  Each rank's hang watchdog holds a second client (hpctrain/watchdog.py): one more connection per rank on rank 0.
 - gloo, per group the rank is in (the world, each mesh axis, the asynchronous-save group; every group serves host
   tensors through gloo, see hpctrain/rendezvous.py): 4 for the group's transport (a listening socket, an epoll
   and its wake-up pipe's two ends: gloo/transport/tcp/device.cc, loop.cc), plus one TCP connection per peer it has
@@ -97,6 +98,8 @@ def estimate(job: Job) -> Need:
     w = job.world_size
     need = Need()
     need.add("rendezvous store", w + STORE_SERVER, 1)
+    # every rank's hang watchdog has a store client of its own (its calls must not wait behind the main thread's)
+    need.add("hang watchdog's store client", w, 1)
     if job.mpi:
         need.add("MPI (identity exchange)", 2 * log2ceil(w) + 1, 2 * log2ceil(w) + 1)
     need.add(f"gloo world ({ranks(w)})", GLOO_TRANSPORT + peers(w, True), GLOO_TRANSPORT + peers(w, False))

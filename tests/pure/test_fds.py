@@ -83,3 +83,18 @@ def test_job_of_reads_backend_files_and_mpi_from_the_config():
 def test_job_nofile_must_not_be_negative():
     with pytest.raises(ValueError, match=r"job.nofile = -1 must be >= 0"):
         load_config(None, ["job.nofile=-1"])
+
+
+def test_a_real_submission_past_the_limit_is_refused_before_anything_is_made(tmp_path) -> None:
+    """Not only the dry run: `hpctrain submit` refuses the layout with the numbers, and no run directory is made."""
+    from click.testing import CliRunner
+
+    from helpers import REPO
+    from hpctrain.cli import main
+
+    runs = tmp_path / "runs"
+    res = CliRunner().invoke(main, ["submit", str(REPO / "slurm" / "examples" / "tiny-cpu.toml"), "--set",
+                                    f"job.run_root={runs}", "--set", "job.nofile=10"])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert "open files" in res.output and "job.nofile = 10" in res.output, res.output
+    assert not runs.exists() or not any(runs.iterdir())
