@@ -84,8 +84,9 @@ def test_job_under_a_low_soft_limit_raises_it_and_says_so(job):
 
 def full_mesh(rank: int, tp: int, dp: int, pp: int, async_save: bool) -> int:
     """Established TCP connections of a rank when every gloo group connects every pair at creation (torch's
-    default): one per peer per group, plus the rendezvous store (rank 0 serves every rank's client, its own too)."""
-    store = WORLD + 1 if rank == 0 else 1
+    default): one per peer per group, plus the rendezvous store (rank 0 serves every rank's client, its own too),
+    twice: each rank's hang watchdog holds a store client of its own."""
+    store = 2 * (WORLD + 1 if rank == 0 else 1)
     groups = [WORLD] + [n for n in (pp, dp, tp) if n != WORLD] + ([WORLD] if async_save else [])
     return store + sum(n - 1 for n in groups)
 
