@@ -219,10 +219,7 @@ class CheckpointManager:
         # already allocated instead of allocating the whole state again at every save (benchmarks/async_stall.py
         # measures both, staging_what_if); safe since one save is in flight
         if ccfg.async_save:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                       use_shared_memory=False, use_async_staging=False,
-                                                       use_non_blocking_copy=torch.cuda.is_available()))
+            self.stager = _run_stager()
 
     def _take_directory(self):
         """Rank 0: the directory lock, then what killed saves left. A .partial directory goes (never committed). A
@@ -259,6 +256,9 @@ class CheckpointManager:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if self.stager is not None and self.pending is None:
+            self.stager.close()
+            self.stager = None
 
     # -- saving -------------------------------------------------------------------------------------------
     def _partial(self, step: int) -> Path:
@@ -358,6 +358,8 @@ class CheckpointManager:
                             progress=self.progress)
         with self._abandoned_if_full(step):
             if asynchronous:
+                if _closed(self.stager):
+                    self.stager = _run_stager()
                 fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
                                      async_stager=self.stager)
                 self.pending = (step, fut, extra_json, provenance)
@@ -494,3 +496,21 @@ class CheckpointManager:
         fsync_path(self.root)
         log.warning("set %s aside as %s", path.name, dest.name)
         return dest
+
+
+def _run_stager():
+    """The async saves' stager, kept for the whole run where torch allows: its host buffers are reused, so the copy
+    that stalls training goes into memory already allocated (benchmarks/async_stall.py, staging_what_if)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+def _closed(stager) -> bool:
+    """Whether `stager` closed itself. torch 2.11's DefaultStager closes its state-dict stager after every staging,
+    emptying its copy table and buffers: the run's second async save then failed with "KeyError: <class 'type'>"
+    (seen on an H100 with torch 2.11; 2.13 keeps it open). Such a stager is replaced before the next save."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    return table is not None and not table

@@ -5,14 +5,18 @@
 # 1 hpctrain doctor --here (CUDA device, bf16 GEMM against job.gpu = h100-sxm, storage, environment), 2 the same
 # with the node slowed 10x (HPCTRAIN_DOCTOR_SLOW: the datasheet rule must fail it, exit 1), 3 training with
 # job.preflight (the CUDA-event straggler clock), 4 a rank asleep in step 8's forward (watchdog, NCCL flight
-# recorder, diagnose; exit 1). Each step prints its exit status; outputs go to $OUT (default /tmp/devout).
+# recorder, diagnose; exit 1), 5 hpctrain bench on the job's backend by nccl-tests' definition (-a 1 -z 0), 6 bench
+# --backend mpi in a GPU job (host buffers; said and skipped where no mpiexec or MPI library is there), 7 async saves on
+# NCCL with lazy gloo and expandable_segments, then a resume from them, 8 the gradient norm of a rank without
+# gradients reduced over a "cpu:gloo,cuda:nccl" group on the parameters' device. Each step prints its exit status;
+# outputs go to $OUT (default /tmp/devout).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 BAD=0
 expect() {  # expect WHAT WANTED_RC GOT_RC
   if [ "$2" != "$3" ]; then echo "MISMATCH: $1 exited $3, expected $2"; BAD=1; fi
 }
-PY=${PY:-python3}
+PY=$(command -v ${PY:-python3})  # a full path: mpiexec may start ranks with another PATH
 OUT=${OUT:-/tmp/devout}; mkdir -p $OUT
 ROOT=/tmp/g17runs; rm -rf $ROOT; mkdir -p $ROOT
 DEV=${DEV:-cuda}
@@ -63,5 +67,36 @@ $PY -c "import json,sys;d=json.load(open('$ROOT/hg/hang/rank00000.fr.json'));pri
 $H diagnose $ROOT/hg | tee $OUT/diagnose.txt; rc=${PIPESTATUS[0]}; expect diagnose 1 $rc
 grep -q "rank 0 .* busy in forward of step 8" $OUT/diagnose.txt || { echo "MISMATCH: diagnose did not name rank 0 busy in step 8"; BAD=1; }
 cp $ROOT/hg/hang/rank00000.fr.json $OUT/ 2>/dev/null
+echo "== 5 bench on the job's backend"; t=$SECONDS
+timeout 180 $H bench all_reduce all_gather -b 1M -e 64M -f 4 --config $ROOT/g1.toml --run-dir $ROOT/bn -J $OUT/bench.jsonl > $OUT/bench.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "bench $BACK" 0 $rc
+grep -iE "average|blocking|^ +[0-9]" $OUT/bench.txt | head -12
+echo "== 6 bench --backend mpi in a GPU job"; t=$SECONDS
+MPIEXEC=$(command -v mpiexec || ls $(dirname $(command -v $PY))/mpiexec 2>/dev/null)
+if [ -n "$MPIEXEC" ] && $PY -c "from mpi4py import MPI" 2>/dev/null; then
+  # Open MPI refuses root unless told (the device machines run commands as root)
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 180 $MPIEXEC -n 1 $H bench all_reduce -b 1M -e 4M --backend mpi --config $ROOT/g1.toml --run-dir $ROOT/bm > $OUT/bench_mpi.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "bench mpi" 0 $rc
+  tail -4 $OUT/bench_mpi.txt
+else echo "skipped: no mpiexec, or mpi4py finds no MPI library, on this machine"; fi
+echo "== 7 async saves, lazy gloo, expandable segments, resume"; t=$SECONDS
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 $H train $ROOT/g1.toml --set checkpoint.every_steps=5 --set checkpoint.async_save=true --run-dir $ROOT/as > $OUT/async.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "async saves" 0 $rc
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 240 $H train $ROOT/g1.toml --set train.steps=25 --set checkpoint.async_save=true --run-dir $ROOT/as > $OUT/resume.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "resume" 0 $rc
+grep -iE "resum|nofile|step +2[05]" $OUT/async.txt $OUT/resume.txt | head -8; ls $ROOT/as/checkpoints
+grep -qi "resum.*20" $OUT/resume.txt || { echo "MISMATCH: the second run did not say it resumed from step 20"; BAD=1; }
+echo "== 8 gradient norm without gradients on the device"; t=$SECONDS
+DEV=$DEV timeout 120 $PY - > $OUT/gradnorm.txt 2>&1 <<'EOP'
+import os, torch, torch.distributed as dist
+from hpctrain.optim import grad_norm
+dev = os.environ["DEV"]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+dist.init_process_group("cpu:gloo,cuda:nccl" if dev == "cuda" else "gloo", rank=0, world_size=1)
+pp = dist.new_group([0])
+params = [torch.nn.Parameter(torch.ones(4, device=dev))]
+n = grad_norm(params, pp_group=pp)
+if dev == "cuda": torch.cuda.synchronize()
+print("norm", n.item(), "on", n.device)
+assert n.device.type == dev and n.item() == 0.0, n
+dist.destroy_process_group()
+EOP
+rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "grad norm without gradients" 0 $rc; cat $OUT/gradnorm.txt | tail -2
 [ $BAD = 0 ] && echo "gpu_smoke: every step as expected" || echo "gpu_smoke: MISMATCH above"
 exit $BAD

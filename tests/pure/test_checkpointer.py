@@ -154,3 +154,28 @@ def test_background_save_commits_once_written(tmp_path) -> None:
         assert ckpt.maybe_save(step(model, opt, saved))
         assert ckpt.mgr.pending is not None
     assert steps_on_disk(run) == [2, 4]
+
+
+def test_background_saves_survive_a_stager_that_closes_itself(tmp_path, monkeypatch) -> None:
+    """torch 2.11's DefaultStager closes its state-dict stager after every staging, emptying its copy table: the
+    run's second background save failed with KeyError: <class 'type'> (seen on an H100). Here the stager does what
+    2.11's did; three background saves in a row commit, and the stager is closed when the manager closes."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    real = DefaultStager.stage
+
+    def stage_then_close(self, state_dict, **kw):
+        staged = real(self, state_dict, **kw)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_then_close)
+    cfg, model, opt, saved, _, _ = make(tmp_path, "checkpoint.every_steps=1", "checkpoint.async_save=true",
+                                        "checkpoint.keep=10")
+    run = tmp_path / "run"
+    with Checkpointer(cfg, {"pp": 1, "dp": 1, "tp": 1}, run, 0, CPU, saved) as ckpt:
+        ckpt.load()
+        for _ in range(3):
+            ckpt.maybe_save(step(model, opt, saved))
+            ckpt.mgr.pending[1].result()
+    assert steps_on_disk(run) == [1, 2, 3] and ckpt.mgr.stager is None
