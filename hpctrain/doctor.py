@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpctrain import doctor_report, hostprobe, mesh, metrics, preempt, runs, session, untrusted
+from hpctrain import doctor_report, hangrequeue, hostprobe, mesh, preempt, runs, session, untrusted
 from hpctrain.bench import gemm, harness
 from hpctrain.bench.colls import COLLS, Ctx
 from hpctrain.bench.sweep import bandwidths
@@ -125,7 +125,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
 def gemm_rate(device: torch.device, stall: Callable[[float], None] | None) -> dict[str, Any]:
     """One GEMM probe (bf16 on GPUs, which the datasheet figure is for; fp32 on CPUs)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    n = metrics.probe_size(device.type, dtype)
+    n = gemm.probe_size(device.type, dtype)
     r = gemm.measure_gemm(dtype, n, device, min_time_s=0.15, warmup=1)
     return {"tflops": r["tflops"] * r["time_s"] / hostprobe.stalled(r["time_s"], stall), "n": n,
             "dtype": str(dtype).removeprefix("torch.")}
@@ -319,7 +319,7 @@ def _requeue_without(failed: list[str], num_nodes: int, run_dir: Path) -> tuple[
     usable = preempt.usable_nodes(os.environ.get("SLURM_JOB_PARTITION", ""))
     if isinstance(already, str) or isinstance(usable, str):
         return False, already if isinstance(already, str) else usable
-    exclude, why = doctor_report.plan_requeue(failed, already, usable, num_nodes, before)
+    exclude, why = hangrequeue.plan_requeue(failed, already, usable, num_nodes, before)
     if exclude is None:
         return False, f"not requeued: {why}"
     return preempt.requeue_excluding(exclude)

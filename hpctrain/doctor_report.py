@@ -247,26 +247,6 @@ def analyse(measured: dict[str, Any], rules: Rules, expected: dict[str, Any] | N
     }
 
 
-MAX_REQUEUES = 3  # preflight requeues of one job; the excluded list only grows, this also bounds a failed update
-
-
-def plan_requeue(failed: list[str], already: list[str], usable: list[str], needed: int,
-                 requeued_before: int) -> tuple[list[str] | None, str]:
-    """What a preflight does with failed nodes under Slurm: (the job's new excluded list, why), or (None, why) when
-    it must fail instead: nothing to exclude, too few usable nodes left in the partition for the job, or the job
-    requeued MAX_REQUEUES times already."""
-    if not failed:
-        return None, "no failed check names a node to exclude"
-    if requeued_before >= MAX_REQUEUES:
-        return None, f"the preflight requeued this job {requeued_before} times already (at most {MAX_REQUEUES})"
-    exclude = list(dict.fromkeys(already + failed))
-    left = [n for n in usable if n not in exclude]
-    if len(left) < needed:
-        return None, (f"excluding {compress(exclude)} would leave {len(left)} usable node(s) of the partition "
-                      f"({compress(left) or 'none'}) for a {needed}-node job")
-    return exclude, f"requeued without {compress(exclude)}"
-
-
 MAX_ROWS = 16  # per check: a larger job's table shows the failures and a one-line summary of the rest
 
 

@@ -17,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from hpctrain import diagnose, doctor_report, preempt
+from hpctrain import diagnose, preempt
+from hpctrain.hostlist import compress
 from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 HISTORY = "hang.jsonl"
@@ -75,7 +76,7 @@ def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
             if isinstance(already, str) or isinstance(usable, str):
                 why = f"not requeued: {already if isinstance(already, str) else usable}"
             else:
-                exclude, why = doctor_report.plan_requeue(silent, already, usable, num_nodes, 0)
+                exclude, why = plan_requeue(silent, already, usable, num_nodes, 0)
                 if exclude is None:
                     why = f"not requeued: {why}"
                 else:
@@ -90,3 +91,23 @@ def after_hang(run_dir: str | Path, limit: int, num_nodes: int) -> str:
     except OSError:
         pass
     return why
+
+
+MAX_REQUEUES = 3  # preflight requeues of one job; the excluded list only grows, this also bounds a failed update
+
+
+def plan_requeue(failed: list[str], already: list[str], usable: list[str], needed: int,
+                 requeued_before: int) -> tuple[list[str] | None, str]:
+    """The one requeue policy, for a preflight's failed nodes and a hang's silent ones: (the job's new excluded
+    list, why), or (None, why) when it must fail instead: nothing to exclude, too few usable nodes left in the
+    partition for the job, or the job requeued MAX_REQUEUES times already."""
+    if not failed:
+        return None, "no failed check names a node to exclude"
+    if requeued_before >= MAX_REQUEUES:
+        return None, f"the preflight requeued this job {requeued_before} times already (at most {MAX_REQUEUES})"
+    exclude = list(dict.fromkeys(already + failed))
+    left = [n for n in usable if n not in exclude]
+    if len(left) < needed:
+        return None, (f"excluding {compress(exclude)} would leave {len(left)} usable node(s) of the partition "
+                      f"({compress(left) or 'none'}) for a {needed}-node job")
+    return exclude, f"requeued without {compress(exclude)}"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.bench.gemm import measure_gemm
+from hpctrain.bench.gemm import measure_gemm, probe_size
 from hpctrain.stragglers import describe
 
 log = logging.getLogger(__name__)
@@ -115,14 +115,6 @@ def describe_peak(peak: Peak, gemm: dict[str, Any], name: str | None) -> str:
     against = f"{flop_rate(peak.tflops)} per rank ({peak.source})" if peak.tflops else f"nothing ({peak.source})"
     return (f"MFU against {against}; measured {gemm['dtype']} GEMM {gemm['n']}^3 on {name or 'CPU'}: "
             f"{flop_rate(gemm['tflops'])}")
-
-
-def probe_size(device_type: str, dtype: torch.dtype) -> int:
-    """Large enough to approach a GPU's peak (8192^3 is ~1 ms in bf16 on an H100); bounded on CPUs, where bf16 and
-    fp16 matmuls run ~70x slower than fp32 without AVX512-BF16."""
-    if device_type == "cuda":
-        return 8192
-    return 1024 if dtype == torch.float32 else 256
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype, min_time_s: float = 0.25) -> dict[str, Any]:

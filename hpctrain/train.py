@@ -342,8 +342,11 @@ class Trainer:
         saved = Saved(self.pm.model, optimizer, self.progress,
                       {"scheduler": self.scheduler, "scaler": self.scaler, "data": self.loader},
                       fill=self.pm.fill, loaded=self.pm.loaded, nonfinite=lambda: self.nonfinite.check(self.step))
+        attach, skipped = hf_import.tokenizer_files(hfconfig.hf_dir(self.cfg.train.init_from), self.cfg.data.files)
+        if skipped and self.s.rank == 0:
+            log.warning("tokenizer files not recorded in checkpoints: %s", ", ".join(skipped))
         return Checkpointer(self.cfg, dataclasses.asdict(self.plan.layout), self.s.run_dir, self.s.rank,
-                            self.device, saved, phase=self.hb.enter, progress=self.hb.advance)
+                            self.device, saved, phase=self.hb.enter, progress=self.hb.advance, attach=attach)
 
     def start(self, ckpt: Checkpointer) -> int | None:
         """The weights training starts from: a checkpoint per train.resume, else train.init_from's Hugging Face

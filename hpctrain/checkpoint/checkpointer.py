@@ -31,8 +31,6 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from hpctrain import hfconfig
-from hpctrain.checkpoint import hf_import
 from hpctrain.checkpoint import state as ckpt_state
 from hpctrain.checkpoint.manager import MARKER, CheckpointManager, NoSpace, committed
 from hpctrain.config import Config, to_dict
@@ -83,7 +81,8 @@ class Saved:
 class Checkpointer:
     def __init__(self, cfg: Config, layout: dict[str, int], run_dir: Path, rank: int, device: torch.device,
                  saved: Saved, phase: Callable[[str, str], Any] = lambda phase, detail: None,
-                 progress: Callable[..., Any] = lambda nbytes, total=None: None) -> None:
+                 progress: Callable[..., Any] = lambda nbytes, total=None: None,
+                 attach: dict[str, Path] | None = None) -> None:
         """Collective: rank 0 takes the checkpoint directory's lock; the hosts of the provenance are gathered
         once here, not at every save. phase(name, detail) is told when a save or its wait begins (the trainer's
         heartbeat: the hang watchdog gives checkpoints the long limit); progress(nbytes, total=None) of the bytes
@@ -93,9 +92,7 @@ class Checkpointer:
         self.resume, self.total_steps = cfg.train.resume, cfg.train.steps
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.mgr = CheckpointManager(self.cfg, self.run_dir, rank, progress=progress)
-        self.mgr.attach, skipped = hf_import.tokenizer_files(hfconfig.hf_dir(cfg.train.init_from), cfg.data.files)
-        if skipped and rank == 0:
-            log.warning("tokenizer files not recorded in checkpoints: %s", ", ".join(skipped))
+        self.mgr.attach = dict(attach or {})  # {name: source}: files rank 0 copies into every checkpoint
         self.provenance = ckpt_state.provenance(to_dict(cfg), layout, cfg.parallel.zero_stage, rank)
         self.loaded_step: int | None = None
         self.deferred = False  # a periodic or requested save waits for the first finite step

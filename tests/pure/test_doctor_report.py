@@ -13,9 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import EXAMPLE, refused
-from hpctrain import doctor, doctor_report, hostlist, preempt
+from hpctrain import doctor, hostlist, preempt
 from hpctrain.config import load_config
-from hpctrain.doctor_report import Rules, analyse, expected_figures, plan_requeue, render
+from hpctrain.doctor_report import Rules, analyse, expected_figures, render
+from hpctrain.hangrequeue import MAX_REQUEUES, plan_requeue
 
 CPU = Rules.for_device("cpu")
 GPU = Rules.for_device("cuda")
@@ -271,8 +272,8 @@ def test_requeue_plan():
     assert exclude is None and "would leave 1 usable node(s) of the partition (n3) for a 2-node job" in why
     exclude, why = plan_requeue([], [], usable, 2, 0)
     assert exclude is None and "names a node" in why
-    exclude, why = plan_requeue(["n3"], [], usable + ["n4", "n5"], 2, doctor_report.MAX_REQUEUES)
-    assert exclude is None and f"requeued this job {doctor_report.MAX_REQUEUES} times" in why
+    exclude, why = plan_requeue(["n3"], [], usable + ["n4", "n5"], 2, MAX_REQUEUES)
+    assert exclude is None and f"requeued this job {MAX_REQUEUES} times" in why
 
 
 def _fake_scontrol(tmp_path, monkeypatch, fail_update=False):

@@ -13,8 +13,9 @@ import torch
 from faults import record
 
 from hpctrain import metrics, session
+from hpctrain.bench.gemm import probe_size
 from hpctrain.config import TrainConfig, load_config
-from hpctrain.metrics import DATASHEET_TFLOPS, Peak, choose_peak, datasheet_part, matmul_dtype, probe_size
+from hpctrain.metrics import DATASHEET_TFLOPS, Peak, choose_peak, datasheet_part, matmul_dtype
 from hpctrain.train import Trainer, apply_tf32, tf32_setting
 
 GEMM = {"tflops": 0.1, "n": 1024, "dtype": "float32"}
