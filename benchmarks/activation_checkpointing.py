@@ -40,9 +40,9 @@ from _verdict import balanced
 from _verdict import verdict as rule_verdict
 
 from _launch import write_results
-from hpctrain import session
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.50  # full AC: peak activation memory over forward + backward at least 50% below 'none'

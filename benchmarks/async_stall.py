@@ -159,10 +159,10 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint import staging
 
-    from hpctrain import session
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.config import load_config
-    from hpctrain.train import Trainer
+    from hpctrain.job import session
+    from hpctrain.train.trainer import Trainer
 
     cfg = load_config(None, CASE + [f"job.run_root={args.run_root}", f"parallel.zero_stage={args.zero}"])
     with session.start(cfg) as s:
@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--tmp", default="/tmp", help="where checkpoints go (a directory made and removed here)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
     args = ap.parse_args()
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
     if rendezvous.detect_launcher() == "single":
         args.ranks = [int(n) for n in args.ranks.split(",")]
         driver(args, sys.argv[1:])

@@ -204,8 +204,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain import session
     from hpctrain.config import load_config
+    from hpctrain.job import session
 
     def world_max(x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)
@@ -389,7 +389,7 @@ def main() -> None:
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}; valid: {', '.join(SYSTEMS)}")
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
     if rendezvous.detect_launcher() == "single":
         args.ranks = [int(n) for n in args.ranks.split(",")]
         driver(args, [a for a in sys.argv[1:]])

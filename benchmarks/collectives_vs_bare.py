@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 from _verdict import balanced, verdict
 
-from hpctrain import benchjob, session
 from hpctrain.bench import colls, harness, sweep
+from hpctrain.bench import job as benchjob
 from hpctrain.config import load_config
+from hpctrain.job import session
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BENCH = "collectives_vs_bare"

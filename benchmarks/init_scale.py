@@ -40,10 +40,10 @@ import torch.distributed as dist
 from _verdict import verdict as rule_verdict
 
 from _launch import write_results
-from hpctrain import mesh as mesh_mod
-from hpctrain import model as model_mod
 from hpctrain.config import load_config
+from hpctrain.model import transformer as model_mod
 from hpctrain.parallel import compose, materialize
+from hpctrain.parallel import mesh as mesh_mod
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

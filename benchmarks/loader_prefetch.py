@@ -1,4 +1,4 @@
-"""The prefetching loader (hpctrain.data.PrefetchLoader, train.prefetch = 2) against the synchronous TokenLoader,
+"""The prefetching loader (hpctrain.data.loader.PrefetchLoader, train.prefetch = 2) against the synchronous TokenLoader,
 on one rank, data from an HDF5 token file (32M random ids, page cache warm), in two cases:
 
     python benchmarks/loader_prefetch.py [--rounds 16] [--device-x 2.0]
@@ -33,10 +33,11 @@ import torch
 from _verdict import balanced, verdict
 
 from _launch import write_results
-from hpctrain import data, session
 from hpctrain.config import DataConfig, load_config
-from hpctrain.metrics import host_values
-from hpctrain.train import Trainer
+from hpctrain.data import loader as data
+from hpctrain.job import session
+from hpctrain.train.metrics import host_values
+from hpctrain.train.trainer import Trainer
 
 TARGETS = {"device": 1.25, "cpu": 0.97}
 CPU_CASE = ["model.vocab_size=256", "model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.max_seq_len=256",

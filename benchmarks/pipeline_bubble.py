@@ -94,9 +94,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain import session
     from hpctrain.config import load_config
-    from hpctrain.train import Trainer
+    from hpctrain.job import session
+    from hpctrain.train.trainer import Trainer
 
     ms = [int(m) for m in args.ms.split(",")]
     t_start = time.perf_counter()

@@ -2,11 +2,11 @@
 
     python benchmarks/train_overhead.py [--rounds 24] [--steps 3]
 
-The plain loop is what a user would write around the same hpctrain.model.Transformer: init_value weights,
+The plain loop is what a user would write around the same hpctrain.model.transformer.Transformer: init_value weights,
 torch.optim.AdamW(foreach=True) with ours' settings (lr, betas, eps, weight decay on matrices only),
-F.cross_entropy, backward, clip_grad_norm_(foreach=True), step, batches from its own hpctrain.data.TokenLoader
+F.cross_entropy, backward, clip_grad_norm_(foreach=True), step, batches from its own hpctrain.data.loader.TokenLoader
 with the same seed, so step i of both sees the same tokens and their losses must agree (checked). Ours builds
-AdamW with foreach=True (hpctrain.optim), so both sides run the same optimizer kernels.
+AdamW with foreach=True (hpctrain.train.optim), so both sides run the same optimizer kernels.
 
 Rule (benchmarks/README.md, _verdict.py): after --warmup untimed steps of each, --rounds rounds; in each round
 both loops run --steps steps back to back, which goes first alternating (_verdict.balanced); a round's ratio is
@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from _verdict import balanced, verdict
 
 from _launch import write_results
-from hpctrain import data, session
 from hpctrain.bench.gemm import measure_gemm
 from hpctrain.config import load_config
-from hpctrain.model import ModelDims, Transformer, init_value
-from hpctrain.train import Trainer
+from hpctrain.data import loader as data
+from hpctrain.job import session
+from hpctrain.model.transformer import ModelDims, Transformer, init_value
+from hpctrain.train.trainer import Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.95
@@ -59,7 +60,7 @@ class Plain:
                 p.copy_(init_value(name, p.shape, self.dims, t.seed))
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         keep = [p for p in self.model.parameters() if p.ndim < 2]
-        # foreach=True as hpctrain.optim builds it (torch's CPU default would be the single-tensor loop)
+        # foreach=True as hpctrain.train.optim builds it (torch's CPU default would be the single-tensor loop)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                       {"params": keep, "weight_decay": 0.0}],
                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)

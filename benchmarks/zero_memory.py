@@ -128,9 +128,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain import session
     from hpctrain.config import load_config
-    from hpctrain.train import Trainer
+    from hpctrain.job import session
+    from hpctrain.train.trainer import Trainer
 
     common = COMMON + [f"job.run_root={args.run_root}"]
     with session.start(load_config(None, common + CASES["even"])) as s:
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
     args = ap.parse_args()
     args.ranks = [int(n) for n in args.ranks.split(",")]
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
     if rendezvous.detect_launcher() == "single":
         driver(args)
     else:

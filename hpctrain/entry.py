@@ -3,25 +3,25 @@
     hpctrain train CONFIG ...                                          # the console script calls main()
     python -u -m hpctrain.entry -u -m submitit.core._submit FOLDER     # a submitted task (launch.TASK_PYTHON)
 
-Importing hpctrain.cli costs ~0.1 s (click, the config, every command's module), and submitit's task runner
+Importing hpctrain.cli.main costs ~0.1 s (click, the config, every command's module), and submitit's task runner
 imports submitit and waits for its pickle before it runs anything of ours; a rank's launcher may signal it meanwhile
 (a preemption during start-up, a scancel), and with the default handlers that signal would kill the process. Here
-the process's flag (hpctrain/preempt.py) is installed before those imports, and hpctrain.cli's group decides what a
-signal received meanwhile means once the command is known. `python -m hpctrain.cli` does the same in cli.py's first
-lines. This module imports only hpctrain.preempt at its top.
+the process's flag (hpctrain/job/preempt.py) is installed before those imports, and hpctrain.cli.main's group
+decides what a signal received meanwhile means once the command is known. `python -m hpctrain.cli` does the same in
+hpctrain/cli/__main__.py. This module imports only hpctrain.job.preempt at its top.
 """
 from __future__ import annotations
 
 import sys
 
-from hpctrain import preempt
+from hpctrain.job import preempt
 
 SUBMITIT_TASK = ["-u", "-m", "submitit.core._submit"]  # what submitit puts after its python command
 
 
 def main() -> None:
     preempt.process_flag()
-    from hpctrain.cli import main as cli_main
+    from hpctrain.cli.main import main as cli_main
 
     cli_main()
 

@@ -1,7 +1,7 @@
 """What one host can say about itself for `hpctrain doctor`: the checkpoint directory's write+fsync and cold read
 rate, free space, file system and Lustre striping; the software environment. No torch.distributed; the caller
-(hpctrain/doctor.py) picks one rank per node. Also what the dry run and the checkpoint manager ask of a directory:
-its file system (NFS?) and the quota left on it.
+(hpctrain/doctor/measure.py) picks one rank per node. Also what the dry run and the checkpoint manager ask of a
+directory: its file system (NFS?) and the quota left on it.
 
     storage(Path("/lustre/ckpt"), 128 << 20, "n1")  # {"write_gbps", "read_gbps", "free_gb", "fs", ...}
     probe_bytes(128 << 20, free, writers=4)         # what it writes: bounded by a share of the free space
@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,12 @@ FREE_SHARE = 0.1
 # CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS are shown but may differ per rank
 COMPARED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "UCX_", "GLOO_", "MPIR_CVAR_")
 SHOWN = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def mpi_running() -> bool:
+    """MPI was started in this process (identify() under MPI) and is not finalized yet."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
 
 
 def probe_dir(configured: str, run_dir: Path) -> Path:
@@ -181,7 +188,7 @@ def storage(directory: Path, nbytes: int, name: str, stall: Callable[[float], No
     The file is unlinked as soon as it is created, before the first byte: its blocks go back to the file system
     when this process closes it or ends, by any signal, SIGKILL included. Its cached pages are dropped with
     posix_fadvise(DONTNEED) before the read (they are clean after the fsync); a file system that ignores the
-    advice reports a cached read. stall(seconds) is the slowed-node test switch's hook (hpctrain/doctor.py)."""
+    advice reports a cached read. stall(seconds) is the slowed-node test switch's hook (hpctrain/doctor/measure.py)."""
     fs = file_system(directory)
     try:
         free = shutil.disk_usage(directory).free
@@ -242,8 +249,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     mpi = None
-    from hpctrain import ending
-    if ending.mpi_running():  # importing mpi4py would start MPI: only report one that runs
+    if mpi_running():  # importing mpi4py would start MPI: only report one that runs
         from mpi4py import MPI
         mpi = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     env = os.environ

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 if TYPE_CHECKING:
-    from hpctrain.train import Trainer
+    from hpctrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -194,10 +194,10 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
     `out`. grad_norms: the global pre-clip norm of each step (inf on a step skipped for non-finite gradients);
     gathers: FSDP's all-gathers during the last step. inject_inf_step: the last rank's gradients turn infinite
     in that step."""
-    from hpctrain import session
     from hpctrain.config import load_config
-    from hpctrain.metrics import host_values
-    from hpctrain.train import Trainer
+    from hpctrain.job import session
+    from hpctrain.train.metrics import host_values
+    from hpctrain.train.trainer import Trainer
 
     cfg = load_config(None, TINY + ["checkpoint.every_steps=0", "checkpoint.at_end=false"] + overrides
                       + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
@@ -292,7 +292,7 @@ def compare_runs(got: dict, ref: dict, loss_tol: float, weight_tol: float | None
 
 def counting_tiles(monkeypatch) -> dict[str, int]:
     """Elements drawn per parameter name, from the one place that draws (model.init_tile)."""
-    from hpctrain import model
+    from hpctrain.model import transformer as model
 
     drawn: dict[str, int] = {}
     real = model.init_tile
@@ -307,7 +307,7 @@ def counting_tiles(monkeypatch) -> dict[str, int]:
 
 def touched(shape, offset, local_shape) -> int:
     """Elements of the tiles a 2-D (or 1-D) box touches: the most a rank may draw for it."""
-    from hpctrain.model import INIT_TILE
+    from hpctrain.model.transformer import INIT_TILE
 
     if len(shape) < 2:
         shape, offset, local_shape = (1, *shape), (0, *offset), (1, *local_shape)

@@ -32,7 +32,7 @@ def hf_logits(out: Path, ids: torch.Tensor) -> torch.Tensor:
 def hpctrain_logits(weights: dict[str, torch.Tensor], dims, ids: torch.Tensor) -> torch.Tensor:
     """hpctrain's Transformer holding `weights` (names without "model."), fp32: logits over the real vocabulary
     (padding columns dropped). Tied only when the weights hold one matrix for both ends."""
-    from hpctrain.model import Transformer
+    from hpctrain.model.transformer import Transformer
 
     tied = "output.weight" not in weights or torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
     dims = dataclasses.replace(dims, tie_embeddings=dims.tie_embeddings and tied)
@@ -47,8 +47,8 @@ def hpctrain_logits(weights: dict[str, torch.Tensor], dims, ids: torch.Tensor) -
 
 def logit_diff(out: Path, ckpt: Path, weights: dict[str, torch.Tensor], seq_len: int) -> float:
     """Max |hpctrain - transformers| over the logits of the same random tokens; checks the shapes agree."""
-    from hpctrain.checkpoint.hf import run_dims
     from hpctrain.checkpoint.layout import read_committed
+    from hpctrain.hf.export import run_dims
 
     dims = run_dims(read_committed(ckpt)[0], ckpt)
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
@@ -82,7 +82,7 @@ def make_hf_llama(out: Path, vocab: int = 100, dim: int = 64, layers: int = 2, h
 
 def ours_as_hf(weights: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
     """hpctrain's full weights (names without "model.") under HF's names, vocabulary padding rows dropped."""
-    from hpctrain.checkpoint.hf_import import VOCAB_ROWS, hf_name
+    from hpctrain.hf.load import VOCAB_ROWS, hf_name
 
     return {hf_name(k): (v[:vocab] if k in VOCAB_ROWS else v) for k, v in weights.items()}
 
@@ -91,7 +91,7 @@ def project_paragraphs(count: int = 60) -> list[str]:
     """Documents from this project's own files: paragraphs of README.md and of the package's modules."""
     from helpers import REPO
 
-    files = [REPO / "README.md", *sorted((REPO / "hpctrain").glob("*.py"))]
+    files = [REPO / "README.md", *sorted((REPO / "hpctrain").rglob("*.py"))]
     text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
     paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 40]
     assert len(paragraphs) >= count

@@ -152,7 +152,7 @@ def hang_run(launch: Launch, env_key: bytes, root: Path, world: int, culprit: in
 def _culprit_in_step(root: Path, rank: int, pid: int, stopped: bool) -> bool:
     if stopped:
         return state(pid) == "T"
-    from hpctrain import heartbeat
+    from hpctrain.hang import heartbeat
     beats = [heartbeat.read(p) for p in root.glob(f"*/heartbeat/rank{rank:05d}.hb")]
     return any(b.get("phase") == "forward" and b.get("step", 0) > 1 for b in beats)
 

@@ -1,5 +1,5 @@
 """GEMM probe: the device's measured matmul rate per dtype, the peak that MFU can be measured against. A leaf
-(torch only) below both of its users: the trainer's MFU (hpctrain.metrics) and `hpctrain bench gemm`.
+(torch only) below both of its users: the trainer's MFU (hpctrain.train.metrics) and `hpctrain bench gemm`.
 
     tflops = measure_gemm(torch.float32, n=2048, device=torch.device("cpu"))
 """

@@ -23,7 +23,7 @@ a fresh torch.save of the parsed value. A pickle in a file is refused, never loa
     dcp.load(state_dict, storage_reader=HDF5Reader(step_dir, verify="sampled"))
 
 Both take `progress`, called with the bytes of every dataset once it is written or read (the rank's heartbeat:
-a long save or load that moves bytes is not a hang; hpctrain.watchdog).
+a long save or load that moves bytes is not a hang; hpctrain.hang.watchdog).
 """
 from __future__ import annotations
 

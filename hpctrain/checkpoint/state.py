@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from hpctrain.model import clean_name
+from hpctrain.model.transformer import clean_name
 
 
 class ModelState(Stateful):

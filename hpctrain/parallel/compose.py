@@ -24,11 +24,11 @@ from torch import nn
 
 from hpctrain.config import Config
 from hpctrain.dtypes import torch_dtype
-from hpctrain.mesh import Layout
-from hpctrain.model import ModelDims, Transformer
+from hpctrain.model.transformer import ModelDims, Transformer
 from hpctrain.parallel import data, pipeline, recompute, tensor
 from hpctrain.parallel.materialize import materialize
-from hpctrain.plan import Plan, with_training
+from hpctrain.parallel.mesh import Layout
+from hpctrain.parallel.plan import Plan, with_training
 
 
 @dataclass
@@ -57,8 +57,8 @@ class ParallelModel:
 
 
 def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan | None = None) -> ParallelModel:
-    """mesh: hpctrain.mesh.Mesh (or None for one process); plan: the trainer's plan (hpctrain.plan, with its
-    training part), made here on the mesh's layout when not given."""
+    """mesh: hpctrain.parallel.mesh.Mesh (or None for one process); plan: the trainer's plan (hpctrain.parallel.plan,
+    with its training part), made here on the mesh's layout when not given."""
     if plan is None:
         bare = Plan(mesh.layout, tuple(mesh.node_of_rank)) if mesh else Plan(Layout(1, 1, 1), (0,))
         plan = with_training(bare, cfg)

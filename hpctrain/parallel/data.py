@@ -1,7 +1,7 @@
 """Data parallelism and ZeRO: FSDP2 sharding of parameters, gradients and optimizer state (ZeRO-2/3, applied on
 the meta device before materialisation), and how gradients meet across dp (gradient_sync): DDP, one coalesced
 all-reduce, FSDP's reduce-scatter, each only after the last micro-batch. ZeRO-1 shards only the optimizer state
-(hpctrain.optim.build_optimizer's ZeroRedundancyOptimizer) over the averaged gradients."""
+(hpctrain.train.optim.build_optimizer's ZeroRedundancyOptimizer) over the averaged gradients."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hpctrain.model import Transformer
+from hpctrain.model.transformer import Transformer
 
 Sync = Callable[[bool], Any]  # sync(is_last_micro_step) -> context manager around a forward and backward
 

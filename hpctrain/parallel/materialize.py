@@ -1,5 +1,5 @@
 """From the meta device to real memory: each rank allocates only its shards and fills them from the tiled seeded
-init (hpctrain.model.init_slice), so every layout starts from the same full weights."""
+init (hpctrain.model.transformer.init_slice), so every layout starts from the same full weights."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hpctrain.model import ModelDims, clean_name, init_slice
+from hpctrain.model.transformer import ModelDims, clean_name, init_slice
 
 
 def shard_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

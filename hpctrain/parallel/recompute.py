@@ -1,7 +1,7 @@
 """Activation recomputation (activation checkpointing): blocks whose activations are recomputed in backward."""
 from __future__ import annotations
 
-from hpctrain.model import Transformer
+from hpctrain.model.transformer import Transformer
 
 
 def apply_ac(model: Transformer, mode: str, every: int) -> None:

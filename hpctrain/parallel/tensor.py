@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
-from hpctrain.model import Transformer
+from hpctrain.model.transformer import Transformer
 
 
 def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:

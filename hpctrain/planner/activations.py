@@ -1,6 +1,6 @@
 """Activation memory: the bytes autograd keeps from a micro-batch's forward for its backward, for hpctrain's block
-(hpctrain.model: RMSNorm, rotary q/k, scaled_dot_product_attention with a flash kernel, SwiGLU), per token and per
-block, by precision mode. Counted from the tensors autograd saves in our own model (distinct storages, the
+(hpctrain.model.transformer: RMSNorm, rotary q/k, scaled_dot_product_attention with a flash kernel, SwiGLU), per
+token and per block, by precision mode. Counted from the tensors autograd saves in our own model (distinct storages, the
 parameters left out) and written here as tensor counts, so they scale to any size:
 
                      per block and token, as tensors of width ...              per block, independent of tokens
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.dims import ModelDims
+from hpctrain.model.dims import ModelDims
 
 # bytes per token per block: (h_sharded_by_sp, h_always_full, q, kv, heads, f, one) and per-weight bytes
 MODES = {

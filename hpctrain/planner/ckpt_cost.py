@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from hpctrain.dims import ModelDims
+from hpctrain.model.dims import ModelDims
 
 RNG_BYTES = 5056  # torch's CPU generator state, per rank
 DATASET_BYTES = 3200  # HDF5 object header and index.json entry per stored dataset: 2.7-3.6 kB measured

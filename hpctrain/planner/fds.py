@@ -7,9 +7,9 @@
 Every row is an upper bound for one rank, counted from how each part opens descriptors:
 - rendezvous store (torch's TCPStore): rank 0 listens, holds one connection per rank (its own client's included),
   its own client, and the server loop's 2 (io_uring or epoll, and an eventfd); every other rank one connection.
-  Each rank's hang watchdog holds a second client (hpctrain/watchdog.py): one more connection per rank on rank 0.
+  Each rank's hang watchdog holds a second client (hpctrain/hang/watchdog.py): one more connection per rank on rank 0.
 - gloo, per group the rank is in (the world, each mesh axis, the asynchronous-save group; every group serves host
-  tensors through gloo, see hpctrain/rendezvous.py): 4 for the group's transport (a listening socket, an epoll
+  tensors through gloo, see hpctrain/job/rendezvous.py): 4 for the group's transport (a listening socket, an epoll
   and its wake-up pipe's two ends: gloo/transport/tcp/device.cc, loop.cc), plus one TCP connection per peer it has
   exchanged with. Pairs connect on their first message (rendezvous.lazy_gloo): rank 0 gathers on the world and
   async-save groups (checkpoint planning, object gathers), so it reaches every peer; any other rank reaches its ring
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.mesh import Layout
+    from hpctrain.parallel.mesh import Layout
 
 GLOO_TRANSPORT = 4  # per gloo group: listening socket, epoll, wake-up pipe (2)
 STORE_SERVER = 4  # rank 0 beyond one connection per rank: listening socket, its own client, the loop's 2

@@ -84,7 +84,7 @@ class Hardware:
         return dataclasses.replace(self, peak_tflops=peaks, source=f"{self.source}; overridden: {said}", **numbers)
 
 
-# Dense peaks copied from hpctrain.metrics.DATASHEET_TFLOPS (which imports torch, so it is not imported here); the
+# Dense peaks copied from hpctrain.train.metrics.DATASHEET_TFLOPS (which imports torch, so it is not imported here); the
 # tests check both tables agree. A part a dtype is missing from does not have it.
 A100 = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}  # A100 datasheet, SXM (40 GB and 80 GB equal)
 H100_SXM = {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2}  # H100 datasheet

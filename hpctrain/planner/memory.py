@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hpctrain.dims import ModelDims
-    from hpctrain.plan import Plan
+    from hpctrain.model.dims import ModelDims
+    from hpctrain.parallel.plan import Plan
 
 LOW = {"bf16": 2, "fp16": 2}  # compute dtype bytes under mixed precision; fp32 otherwise
 COLWISE = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",

@@ -41,7 +41,7 @@ from hpctrain.planner.activations import ActivationModel, mode_of
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.plan import Plan
+    from hpctrain.parallel.plan import Plan
 
 LOW = {"bf16": 2, "fp16": 2}
 

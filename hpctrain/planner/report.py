@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import mesh
-from hpctrain.plan import make_plan
+from hpctrain.parallel import mesh
+from hpctrain.parallel.plan import make_plan
 from hpctrain.planner import timing
 from hpctrain.planner.ckpt_cost import NODE_MTBF_H, checkpoint_bytes, checkpoint_cost
 from hpctrain.planner.memory import Coords, model_states, stage_shapes, tp_local, zero1_partition
@@ -23,7 +23,7 @@ from hpctrain.planner.peak import peak
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
-    from hpctrain.plan import Plan
+    from hpctrain.parallel.plan import Plan
     from hpctrain.planner.hardware import Hardware
 
 GB = 1e9

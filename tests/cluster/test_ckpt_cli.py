@@ -19,9 +19,9 @@ from click.testing import CliRunner, Result
 
 from helpers import EXAMPLE, REPO, env_with_venv, only_run_dir, tool
 from hpctrain.checkpoint import HDF5Reader, HDF5Writer
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.model import ModelDims, Transformer
+from hpctrain.model.transformer import ModelDims, Transformer
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=2", "--set", "data.seq_len=32",
         "--set", "data.source=synthetic", "--set", "train.peak_tflops=1", "--set", "checkpoint.every_steps=2"]

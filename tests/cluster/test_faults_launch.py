@@ -4,7 +4,7 @@
 
 Real processes under `mpiexec -n 2` (the mpich wheel) and on the local Slurm cluster. Faults come from outside
 (SIGKILL to a rank's pid, found by its launcher's environment in /proc) or from the hidden hook
-HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<rendezvous|ready> (hpctrain/session.py). Each test records its fault and
+HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<rendezvous|ready> (hpctrain/job/session.py). Each test records its fault and
 the time until every rank was gone (tests/faults.py). Ranks stopped or asleep inside a step are the hang
 watchdog's: tests/cluster/test_hang.py and tests/multiproc/test_hang_local.py.
 """
@@ -209,7 +209,7 @@ STRANGER = r"""
 import json, re, socket, sys
 from pathlib import Path
 import torch.distributed as dist
-from hpctrain import rendezvous
+from hpctrain.job import rendezvous
 
 rdzv = Path(sys.argv[1])
 ident = rendezvous.identify("auto")
@@ -286,7 +286,7 @@ def test_preemption_flag_before_torch() -> None:
     the same object on every call, and flags USR2 and TERM instead of dying of them."""
     code = """
 import os, signal, sys
-from hpctrain import preempt
+from hpctrain.job import preempt
 flag = preempt.process_flag()
 assert "torch" not in sys.modules, "preempt imported torch"
 os.kill(os.getpid(), signal.SIGTERM)

@@ -10,8 +10,8 @@ import pytest
 from faults import record
 
 from helpers import EXAMPLE
-from hpctrain import launch
 from hpctrain.config import load_config
+from hpctrain.job import launch
 
 
 @pytest.mark.slurm

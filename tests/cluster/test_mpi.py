@@ -114,7 +114,7 @@ def test_srun_pmi_mismatch_refuses_on_every_task(slurm_cluster, tmp_path) -> Non
            took, "slurm")
 
 
-IDENTIFY = ("import os; from hpctrain import rendezvous; i = rendezvous.identify(); "
+IDENTIFY = ("import os; from hpctrain.job import rendezvous; i = rendezvous.identify(); "
             "os.write(1, f'IDENT {i.rank} {i.world_size}\\n'.encode())")  # one write: ranks share the stream
 
 
@@ -131,7 +131,7 @@ def test_mpiexec_inside_an_allocation_is_not_refused(slurm_cluster) -> None:
 
 
 # one write per rank (a pipe write this small is atomic): the ranks' lines must not interleave
-NETMOD = ("import os; from hpctrain import rendezvous; {patch}i = rendezvous.identify('mpi'); "
+NETMOD = ("import os; from hpctrain.job import rendezvous; {patch}i = rendezvous.identify('mpi'); "
           "os.write(1, f\"{{i.rank}} {{i.world_size}} {{os.environ.get('MPIR_CVAR_CH4_NETMOD')}}\\n\".encode())")
 
 

@@ -85,7 +85,7 @@ grep -qi "resum.*20" $OUT/resume.txt || { echo "MISMATCH: the second run did not
 echo "== 8 gradient norm without gradients on the device"; t=$SECONDS
 DEV=$DEV timeout 120 $PY - > $OUT/gradnorm.txt 2>&1 <<'EOP'
 import os, torch, torch.distributed as dist
-from hpctrain.optim import grad_norm
+from hpctrain.train.optim import grad_norm
 dev = os.environ["DEV"]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
 dist.init_process_group("cpu:gloo,cuda:nccl" if dev == "cuda" else "gloo", rank=0, world_size=1)

@@ -149,7 +149,7 @@ def test_hf_export_from_tp2_dp2_zero3(runs, tmp_path) -> None:
     """The checkpoint of 4 ranks (tp=2 x dp=2, ZeRO-3) exported for transformers computes the trained logits."""
     from hfcheck import LOGIT_TOL, logit_diff
 
-    from hpctrain.checkpoint.hf import export_hf
+    from hpctrain.hf.export import export_hf
 
     ckpt, out = runs["out"] / "ckH" / "step_00000002", tmp_path / "hf"
     marker = json.loads((ckpt / "COMMITTED").read_text())

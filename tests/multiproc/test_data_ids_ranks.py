@@ -19,7 +19,7 @@ import pytest
 from faults import record
 
 from helpers import WORKERS, free_base_port, spawn_ranks
-from hpctrain import runs
+from hpctrain.job import runs
 
 pytestmark = pytest.mark.faults
 

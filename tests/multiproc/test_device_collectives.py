@@ -42,7 +42,7 @@ def test_nccl_gets_gloo_beside_it():
     from torch.distributed import Backend
     from torch.distributed.distributed_c10d import BackendConfig
 
-    from hpctrain.rendezvous import backend_config, emulated_device_backend
+    from hpctrain.job.rendezvous import backend_config, emulated_device_backend
 
     assert backend_config("nccl") == "cpu:gloo,cuda:nccl"
     assert backend_config("gloo") == "gloo"
@@ -61,7 +61,7 @@ def test_grad_norm_without_gradients_reduces_on_the_parameters_device(monkeypatc
     import torch.distributed as dist
     from faults import record
 
-    from hpctrain import optim
+    from hpctrain.train import optim
 
     handed = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: handed.append((t.device.type, group)))

@@ -84,7 +84,7 @@ def test_signal_during_the_imports(tmp_path, how, command, sig) -> None:
         assert out.returncode == 128 + signal.Signals[sig], said
         assert not root.exists()  # ended before it made a run directory
         record("USR2 or TERM in a process's first ~0.1 s, during the CLI's imports (doctor, ckpt ls; python -m "
-               "hpctrain.cli and the console script)", "ends before the command runs, exit 128 + the signal, no "
+               "hpctrain.cli.main and the console script)", "ends before the command runs, exit 128 + the signal, no "
                "traceback", tier="unit")
 
 

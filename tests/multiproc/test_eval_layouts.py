@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from helpers import TINY, spawn_cases
-from hpctrain import session
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 EVAL = ["train.steps=3", "train.eval_every=1", "checkpoint.at_end=false", "model.n_layers=4"]  # 4: ZBV's stages
 LAYOUTS = {

@@ -16,13 +16,14 @@ import pytest
 from faults import record
 
 from helpers import SMALL, flip_a_byte, hpctrain
-from hpctrain import fsutil, session
+from hpctrain import fsutil
 from hpctrain.checkpoint import hdf5_storage
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.h5file import crc32
 from hpctrain.checkpoint.manager import committed
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.faults
 
@@ -445,10 +446,10 @@ import sys
 sys.path.insert(0, {tests!r})
 from collections import namedtuple
 from helpers import SMALL
-from hpctrain import session
+from hpctrain.job import session
 from hpctrain.checkpoint import manager
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.train.trainer import Trainer
 if {fake_free}:  # the free-space check passes: another job fills the disk after it
     manager.shutil.disk_usage = lambda p: namedtuple("usage", "total used free")(1 << 40, 0, 1 << 40)
 cfg = load_config(None, SMALL + sys.argv[1:])

@@ -24,12 +24,12 @@ from click.testing import CliRunner
 from faults import record
 
 from helpers import SMALL
-from hpctrain import session
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.h5file import crc32
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.faults
 

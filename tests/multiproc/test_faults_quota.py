@@ -20,12 +20,14 @@ import pytest
 from faults import record
 
 from helpers import SMALL, TESTS, free_base_port, spawn_ranks
-from hpctrain import hostprobe, session
-from hpctrain.checkpoint import hdf5_storage, hf_import, inspection
+from hpctrain import hostprobe
+from hpctrain.checkpoint import hdf5_storage, inspection
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.manager import committed
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.hf import load as hf_import
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.faults
 HERE = Path(__file__).resolve().parent
@@ -115,9 +117,9 @@ import sys
 sys.path[:0] = [{tests!r}, {here!r}]
 from helpers import SMALL
 from test_faults_quota import inject
-from hpctrain import session
+from hpctrain.job import session
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.train.trainer import Trainer
 inject(sys.argv[1], 2)
 cfg = load_config(None, SMALL + sys.argv[2:])
 with session.start(cfg) as s:
@@ -179,9 +181,9 @@ sys.path[:0] = [{tests!r}, {here!r}]
 os.environ["MASTER_PORT"] = sys.argv[1]
 from helpers import SMALL
 from test_faults_quota import inject
-from hpctrain import session
+from hpctrain.job import session
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.train.trainer import Trainer
 inject(*(("marker", 4) if os.environ["RANK"] == "0" else ("shard", 3)))
 cfg = load_config(None, SMALL + sys.argv[2:])
 with session.start(cfg) as s:

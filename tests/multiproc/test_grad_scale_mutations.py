@@ -4,7 +4,7 @@ AdamW is invariant to a constant factor on the gradients, so a dp reduction that
 missing 1/grad_accum leaves losses (and nearly the weights) where they were; before the equivalence tests compared
 the pre-clip gradient norm, such a bug showed only when it changed which steps gradient clipping touched. Here one
 4-rank spawn (tp=2 x dp=2, grad_accum=2, train.grad_clip=0, 8 steps) trains the layout clean and with each
-deliberate bug of hpctrain.mutations.gradient_mutation (HPCTRAIN_TEST_MUTATION); the comparison
+deliberate bug of hpctrain.train.mutations.gradient_mutation (HPCTRAIN_TEST_MUTATION); the comparison
 tests/multiproc/test_train_equivalence.py uses (helpers.compare_runs) must pass the clean run and fail every mutated
 one on the gradient norm, while a loss-only comparison passes the scale bugs (the blind spot the norm check
 closes).
@@ -26,7 +26,7 @@ from helpers import (
     run_case,
     spawn_train_worker,
 )
-from hpctrain.mutations import MUTATION_ENV, MUTATIONS, gradient_mutation
+from hpctrain.train.mutations import MUTATION_ENV, MUTATIONS, gradient_mutation
 
 CLIP_OFF = ["train.grad_clip=0"]  # nothing clipped: the losses cannot see a gradient scale
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2", "train.grad_accum=2"] + CLIP_OFF

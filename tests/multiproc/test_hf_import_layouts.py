@@ -19,7 +19,7 @@ from faults import record
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
 from helpers import WORKERS, free_base_port, spawn_cases, spawn_ranks
-from hpctrain.dims import ModelDims
+from hpctrain.model.dims import ModelDims
 
 RUN = ["model.max_seq_len=64", "data.source=synthetic", "data.seq_len=16", "train.steps=1", "train.log_every=100",
        "train.peak_tflops=1", "train.micro_batch_size=2", "parallel.timeout_s=180"]
@@ -69,7 +69,7 @@ def test_every_layout_holds_the_hf_weights(runs, layout) -> None:
 def test_export_from_pipeline_checkpoint_gives_back_the_hf_model(runs, tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from hpctrain.checkpoint.hf import export_hf
+    from hpctrain.hf.export import export_hf
 
     ckpt = runs["out"] / "pp2tp2-ck" / "step_00000000"
     export_hf(ckpt, tmp_path / "back")

@@ -14,7 +14,7 @@ import torch
 
 from helpers import TINY, WORKERS, free_base_port, spawn_ranks, touched
 from hpctrain.config import load_config
-from hpctrain.model import init_value
+from hpctrain.model.transformer import init_value
 
 # head_dim 9 with 2 kv heads: wk/wv have 18 rows, 9 per tp rank, split 5 + 4 by FSDP (uneven); over dp 4 with
 # one kv head, 9 rows split 3, 3, 3, 0 (an empty shard). ffn 1152: w2's tp halves cross a tile column boundary.

@@ -68,7 +68,7 @@ def test_job_under_a_low_soft_limit_raises_it_and_says_so(job):
 
     from faults import record
 
-    from hpctrain.runs import rank_log_path
+    from hpctrain.job.runs import rank_log_path
 
     for rank, r in enumerate(job["ranks"]):
         assert r["soft_at_start"] == SOFT, r  # the stand-in reached the rank
@@ -120,7 +120,7 @@ def test_dry_run_refuses_a_layout_past_the_hard_limit():
     from faults import record
 
     from hpctrain.config import load_config
-    from hpctrain.mesh import resolve_layout
+    from hpctrain.parallel.mesh import resolve_layout
     from hpctrain.planner import fds
 
     cfg = load_config(str(EXAMPLE), [])

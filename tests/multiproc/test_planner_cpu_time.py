@@ -30,7 +30,7 @@ import pytest
 
 from helpers import TINY, WORKERS, free_base_port, spawn_ranks
 from hpctrain.config import load_config
-from hpctrain.plan import make_plan
+from hpctrain.parallel.plan import make_plan
 from hpctrain.planner import timing
 from hpctrain.planner.hardware import profile
 from hpctrain.planner.report import time_estimate

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import WORKERS, free_base_port, spawn_ranks
 from hpctrain.config import load_config
-from hpctrain.plan import make_plan
+from hpctrain.parallel.plan import make_plan
 from hpctrain.planner.memory import Coords, max_model_states, model_states
 from hpctrain.planner.peak import in_flight, peak, stage_activations
 

@@ -13,14 +13,14 @@ import sys
 import pytest
 
 from helpers import REPO, env_with_venv
-from hpctrain import netaddr
+from hpctrain.job import netaddr
 
 WORKER = r"""
 import json, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from hpctrain import rendezvous
+from hpctrain.job import rendezvous
 
 ident = rendezvous.identify("auto")
 rendezvous.init_distributed(ident, "gloo", 60, "", Path(sys.argv[1]), interface=sys.argv[2], connect_timeout_s=20)

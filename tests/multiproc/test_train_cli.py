@@ -8,7 +8,7 @@ import json
 from click.testing import CliRunner
 
 from helpers import EXAMPLE, hpctrain, only_run_dir
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2", "--set", "data.seq_len=32",
         "--set", "data.source=synthetic", "--set", "train.peak_tflops=1", "--set", "parallel.tp=1"]

@@ -18,11 +18,12 @@ import torch
 from faults import record
 
 from helpers import SMALL, refused
-from hpctrain import data, session
-from hpctrain.blend import BlendedSamples, BlendLoader, blend_order
 from hpctrain.config import load_config
-from hpctrain.tokenfiles import ArraySource
-from hpctrain.train import Trainer
+from hpctrain.data import loader as data
+from hpctrain.data.blend import BlendedSamples, BlendLoader, blend_order
+from hpctrain.data.tokenfiles import ArraySource
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 SEQ = 8
 

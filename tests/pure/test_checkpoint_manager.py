@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from helpers import SMALL, flip_a_byte
-from hpctrain import session
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt
 from hpctrain.checkpoint.manager import CheckpointManager, committed
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 
 def _fit(tmp: Path, *sets: str) -> dict:

@@ -1,4 +1,5 @@
-"""Pure tests of hpctrain.data and hpctrain.tokenfiles: tokenizer, dataset files, token sources and the resumable
+"""Pure tests of hpctrain.data.loader and hpctrain.data.tokenfiles: tokenizer, dataset files, token sources and the
+resumable
 sharded loader.
 
     .venv/bin/python -m pytest tests/pure/test_data.py -q
@@ -17,9 +18,9 @@ from faults import record
 
 from helpers import REPO, refused
 from hpctrain.config import DataConfig
-from hpctrain.data import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source
-from hpctrain.databuild import build_dataset, project_corpus_inputs
-from hpctrain.tokenfiles import ArraySource, HDF5Source, file_identity
+from hpctrain.data.build import build_dataset, project_corpus_inputs
+from hpctrain.data.loader import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source
+from hpctrain.data.tokenfiles import ArraySource, HDF5Source, file_identity
 
 SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}
 
@@ -143,7 +144,7 @@ def test_build_refuses_bad_input(texts, tmp_path):
 def test_files_are_read_in_pieces_and_a_bad_one_is_cut_back_out(tmp_path, monkeypatch):
     """Byte level reads 1 MiB at a time (here 5 bytes): a multi-byte character across a piece boundary is text; a
     bad byte or a NUL found after earlier pieces were written leaves nothing of that file behind."""
-    from hpctrain import databuild
+    from hpctrain.data import build as databuild
     monkeypatch.setattr(databuild, "READ_BYTES", 5)
     root = tmp_path / "src"
     root.mkdir()

@@ -1,4 +1,4 @@
-"""Blends (data.paths + data.weights) through hpctrain.data's entry points, in this process; what
+"""Blends (data.paths + data.weights) through hpctrain.data.loader's entry points, in this process; what
 tests/pure/test_blend.py leaves out: the same seed gives the same samples and another seed others from the same
 files in the same mix; the sample stream is one global sequence whatever the batch, so a state saved by the
 read-ahead loader or by one dp size resumes exactly in the other loader and at other dp sizes, across a small
@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from helpers import SMALL, refused
-from hpctrain import data, session
-from hpctrain.blend import BlendedSamples, BlendLoader
 from hpctrain.config import load_config
-from hpctrain.tokenfiles import val_file
-from hpctrain.train import Trainer
+from hpctrain.data import loader as data
+from hpctrain.data.blend import BlendedSamples, BlendLoader
+from hpctrain.data.tokenfiles import val_file
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 SEQ, VOCAB = 8, 4200
 BASE = [f"model.vocab_size={VOCAB}", "data.source=bin", f"data.seq_len={SEQ}"]

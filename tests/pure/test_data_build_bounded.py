@@ -28,7 +28,7 @@ from faults import record
 from hfcheck import project_paragraphs, train_bpe
 
 from helpers import REPO, WORKERS
-from hpctrain.tokenfiles import ArraySource
+from hpctrain.data.tokenfiles import ArraySource
 
 pytestmark = pytest.mark.faults
 

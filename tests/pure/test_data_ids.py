@@ -22,11 +22,13 @@ import pytest
 from faults import record
 
 from helpers import EXAMPLE, REPO, WORKERS, refused
-from hpctrain import data, launch, tokenfiles
 from hpctrain.config import DataConfig, load_config
-from hpctrain.databuild import build_dataset
-from hpctrain.heartbeat import Heartbeat
-from hpctrain.tokenfiles import ArraySource, HDF5Source, file_identity
+from hpctrain.data import loader as data
+from hpctrain.data import tokenfiles
+from hpctrain.data.build import build_dataset
+from hpctrain.data.tokenfiles import ArraySource, HDF5Source, file_identity
+from hpctrain.hang.heartbeat import Heartbeat
+from hpctrain.job import launch
 
 pytestmark = pytest.mark.faults
 
@@ -199,7 +201,7 @@ def test_job_start_checks_each_file_once_with_progress(tmp_path, monkeypatch, sc
     job = load_config(None, ["data.source=bin", f"data.path={tmp_path / 'tok.bin'}", "data.seq_len=8",
                              "train.eval_every=10"])
     cfg = job.data
-    with caplog.at_level(logging.INFO, logger="hpctrain.data"):
+    with caplog.at_level(logging.INFO, logger="hpctrain.data.loader"):
         data.check_ids_at_start(job, None, run_dir, hb, round_s=0.0)
     assert scans == ["tok.bin", "tok.val.bin"]
     # round_s 0: a slice of each file per round, and a heartbeat move and a log line after each round

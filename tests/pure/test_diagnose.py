@@ -1,5 +1,6 @@
 """`hpctrain diagnose` on run directories written here the way ranks write them (issue 17): real heartbeat files
-and hang dumps (hpctrain.heartbeat, hpctrain.watchdog.dump_stacks), flight recorders shaped as torch 2.13 dumps
+and hang dumps (hpctrain.hang.heartbeat, hpctrain.hang.watchdog.dump_stacks), flight recorders shaped as torch 2.13
+dumps
 them. The real launches are in tests/multiproc/test_hang_local.py and tests/cluster/test_hang.py.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_diagnose.py
@@ -14,8 +15,8 @@ import pytest
 from faults import record
 
 from helpers import hpctrain
-from hpctrain import diagnose, watchdog
-from hpctrain.heartbeat import Heartbeat
+from hpctrain.hang import diagnose, watchdog
+from hpctrain.hang.heartbeat import Heartbeat
 
 NODES = ["n1", "n1", "n2", "n2"]  # tp=2 inside a node, dp=2 across: tp groups [0,1] [2,3], dp groups [0,2] [1,3]
 
@@ -186,7 +187,7 @@ def _fake_slurm(tmp_path: Path, monkeypatch, nodes: str = "n1 idle\nn2 idle\nn3 
 
 
 def test_a_hung_job_is_requeued_without_the_silent_ranks_node(tmp_path, monkeypatch) -> None:
-    from hpctrain import hangrequeue
+    from hpctrain.job import requeue as hangrequeue
     run = tmp_path / "run"
     run.mkdir()
     _stopped_rank_1(run)
@@ -202,7 +203,7 @@ def test_a_hung_job_is_requeued_without_the_silent_ranks_node(tmp_path, monkeypa
 
 
 def test_hangs_that_are_not_a_nodes_fault_end_the_job(tmp_path, monkeypatch) -> None:
-    from hpctrain import hangrequeue
+    from hpctrain.job import requeue as hangrequeue
     busy, silent = tmp_path / "busy", tmp_path / "silent"
     busy.mkdir()
     silent.mkdir()
@@ -455,7 +456,7 @@ def test_lone_surrogates_and_deep_nesting_in_run_files(tmp_path) -> None:
 def test_a_damaged_hang_history_ends_the_job_without_a_requeue(tmp_path, monkeypatch) -> None:
     """hang.jsonl nested past json's recursion (or holding rows of the wrong types) raised out of after_hang, which
     must never raise: no requeue, and the reason says which file."""
-    from hpctrain import hangrequeue
+    from hpctrain.job import requeue as hangrequeue
     run = tmp_path / "run"
     run.mkdir()
     _stopped_rank_1(run)

@@ -1,6 +1,6 @@
 """`hpctrain doctor` with no processes: the storage probe's bounds (a cap on what is asked, a share of the free
 space at run time, nothing left behind on an error), what a signal means before and after the command is known
-(hpctrain/preempt.py), and doctor's reads of files it did not write (preflight.jsonl, doctor.json).
+(hpctrain/job/preempt.py), and doctor's reads of files it did not write (preflight.jsonl, doctor.json).
 
     .venv/bin/python -m pytest -q tests/pure/test_doctor_probe.py
 """
@@ -16,7 +16,10 @@ import pytest
 from faults import record
 
 from helpers import refused
-from hpctrain import cli_doctor, doctor, hostprobe, preempt
+from hpctrain import hostprobe
+from hpctrain.cli import doctor as cli_doctor
+from hpctrain.doctor import measure as doctor
+from hpctrain.job import preempt
 from hpctrain.untrusted import MAX_DEPTH, Untrusted
 
 pytestmark = pytest.mark.faults

@@ -13,10 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import EXAMPLE, refused
-from hpctrain import doctor, hostlist, preempt
 from hpctrain.config import load_config
-from hpctrain.doctor_report import Rules, analyse, expected_figures, render
-from hpctrain.hangrequeue import MAX_REQUEUES, plan_requeue
+from hpctrain.doctor import measure as doctor
+from hpctrain.doctor.report import Rules, analyse, expected_figures, render
+from hpctrain.job import hostlist, preempt
+from hpctrain.job.requeue import MAX_REQUEUES, plan_requeue
 
 CPU = Rules.for_device("cpu")
 GPU = Rules.for_device("cuda")
@@ -247,7 +248,7 @@ def test_rules_refused_with_the_value():
 
 
 def test_cli_refuses_bad_rules_and_profiles_before_submitting(tmp_path):
-    from hpctrain.cli import main
+    from hpctrain.cli.main import main
 
     root = ["--set", f"job.run_root={tmp_path}"]
     out = CliRunner().invoke(main, ["doctor", str(EXAMPLE), "--margin", "1.5", *root])

@@ -17,7 +17,7 @@ import submitit
 from faults import record
 
 from helpers import REPO
-from hpctrain import launch
+from hpctrain.job import launch
 
 WORKERS = REPO / "tests" / "workers"
 

@@ -16,12 +16,13 @@ import torch
 from click.testing import CliRunner
 
 from helpers import SMALL, refused
-from hpctrain import data, session
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.plot import plot_training
-from hpctrain.tokenfiles import ArraySource
-from hpctrain.train import Trainer
+from hpctrain.data import loader as data
+from hpctrain.data.tokenfiles import ArraySource
+from hpctrain.job import session
+from hpctrain.train.plot import plot_training
+from hpctrain.train.trainer import Trainer
 
 
 def _fit(tmp_path, *sets: str) -> tuple[dict, Trainer]:

@@ -19,8 +19,10 @@ import pytest
 from faults import record
 
 from helpers import refused
-from hpctrain import data, runs, tokenfiles
 from hpctrain.config import SECTIONS, DataConfig, TrainConfig, load_config
+from hpctrain.data import loader as data
+from hpctrain.data import tokenfiles
+from hpctrain.job import runs
 
 pytestmark = pytest.mark.faults
 

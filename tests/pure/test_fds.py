@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hpctrain.config import load_config
-from hpctrain.mesh import Layout
+from hpctrain.parallel.mesh import Layout
 from hpctrain.planner import fds
 
 # the case: 64 nodes x 8 GPUs, tp 8 inside a node, dp 64 across, asynchronous saves, MPI identity
@@ -90,7 +90,7 @@ def test_a_real_submission_past_the_limit_is_refused_before_anything_is_made(tmp
     from click.testing import CliRunner
 
     from helpers import REPO
-    from hpctrain.cli import main
+    from hpctrain.cli.main import main
 
     runs = tmp_path / "runs"
     res = CliRunner().invoke(main, ["submit", str(REPO / "slurm" / "examples" / "tiny-cpu.toml"), "--set",

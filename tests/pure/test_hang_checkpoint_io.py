@@ -18,12 +18,13 @@ import torch
 from faults import record
 
 from helpers import SMALL
-from hpctrain import ending, session, watchdog
 from hpctrain.checkpoint import hdf5_storage, layout
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import load_config
-from hpctrain.heartbeat import Heartbeat
-from hpctrain.train import Trainer
+from hpctrain.hang import ending, watchdog
+from hpctrain.hang.heartbeat import Heartbeat
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 DATASETS = 6
 SLOW_S = 0.35  # per dataset: 6 of them take 2.1 s a pass, a resume (verify, then load) 4.2 s

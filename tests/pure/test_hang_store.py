@@ -28,8 +28,9 @@ import pytest
 import torch.distributed as dist
 from faults import record
 
-from hpctrain import diagnose, ending, hangrequeue, watchdog
-from hpctrain.heartbeat import Heartbeat
+from hpctrain.hang import diagnose, ending, watchdog
+from hpctrain.hang.heartbeat import Heartbeat
+from hpctrain.job import requeue as hangrequeue
 
 pytestmark = pytest.mark.faults
 

@@ -22,9 +22,9 @@ import pytest
 from faults import record
 
 from helpers import REPO
-from hpctrain import diagnose, ending, heartbeat, stragglers, watchdog
 from hpctrain.config import load_config
-from hpctrain.heartbeat import FILE_BYTES, Heartbeat
+from hpctrain.hang import diagnose, ending, heartbeat, stragglers, watchdog
+from hpctrain.hang.heartbeat import FILE_BYTES, Heartbeat
 
 
 def test_round_trip_and_facts(tmp_path) -> None:
@@ -62,7 +62,7 @@ def test_damaged_files_are_refused(tmp_path) -> None:
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_last_phase_outlives_the_process(tmp_path, sig) -> None:
     """The mapped page belongs to the kernel: a rank killed or stopped inside forward still reads as there."""
-    code = ("import os, signal, sys\nfrom hpctrain.heartbeat import Heartbeat\n"
+    code = ("import os, signal, sys\nfrom hpctrain.hang.heartbeat import Heartbeat\n"
             "hb = Heartbeat(sys.argv[1], 3, {'node': 'n9'})\nhb.begin_step(7)\nhb.enter('forward', 'micro-batch 2/4')\n"
             f"os.kill(os.getpid(), signal.{sig})\nhb.enter('backward')\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO)
@@ -274,7 +274,7 @@ def test_find_stragglers_per_stage() -> None:
 
 
 def test_plot_per_rank_step_times(tmp_path) -> None:
-    from hpctrain.plot import per_rank_step_times, plot_training
+    from hpctrain.train.plot import per_rank_step_times, plot_training
     rows = [{"step": 1, "loss": 5.0, "lr": 1e-4, "tokens_per_s": 100.0, "mfu": 0.1, "rank_compute_s": [1.0, 2.0],
              "rank_wait_s": [1.0, 0.0], "stragglers": [{"rank": 1}]},
             {"step": 5, "loss": 4.0, "lr": 1e-4, "tokens_per_s": 100.0, "mfu": 0.1, "rank_compute_s": [4.0, 4.4],
@@ -288,7 +288,7 @@ def test_plot_per_rank_step_times(tmp_path) -> None:
 def test_a_stopped_then_woken_watchdog_says_it_was_frozen(tmp_path) -> None:
     """SIGSTOP for 4 s, then SIGCONT (as Slurm sends when it ends or requeues a job): the watchdog trips at once,
     and its dump says how long it could not run, so diagnose does not count it as an answer in time."""
-    code = ("import sys, time\nfrom hpctrain import watchdog\nfrom hpctrain.heartbeat import Heartbeat\n"
+    code = ("import sys, time\nfrom hpctrain.hang import watchdog\nfrom hpctrain.hang.heartbeat import Heartbeat\n"
             "hb = Heartbeat(sys.argv[1], 1, {'node': 'n2'})\nhb.begin_step(3)\nhb.enter('forward')\n"
             "watchdog.Watchdog(hb, sys.argv[1], watchdog.Limits(step_s=2, long_s=60))\n"
             "print('ready', flush=True)\ntime.sleep(60)\n")
@@ -308,7 +308,7 @@ def test_a_stopped_then_woken_watchdog_says_it_was_frozen(tmp_path) -> None:
 
 # --- issue 25 -------------------------------------------------------------------------------------------------------
 
-PEER = ("import sys, time\nfrom hpctrain import watchdog\nfrom hpctrain.heartbeat import Heartbeat\n"
+PEER = ("import sys, time\nfrom hpctrain.hang import watchdog\nfrom hpctrain.hang.heartbeat import Heartbeat\n"
         "hb = Heartbeat(sys.argv[1], 3, {'node': 'n2'})\nhb.begin_step(1)\nhb.enter('forward')\n"
         "watchdog.Watchdog(hb, sys.argv[1], watchdog.Limits(step_s=1, long_s=60))\n"
         "print('ready', flush=True)\ntime.sleep(120)\n")
@@ -463,7 +463,7 @@ def test_heartbeat_reads_are_bounded_and_typed(tmp_path) -> None:
 def test_plot_skips_damaged_rows(tmp_path) -> None:
     """metrics.jsonl with a torn line, a lone surrogate, deep nesting, rows of the wrong shapes (a straggler rank
     past the ranks logged): plot draws the good rows (it used to raise on the first)."""
-    from hpctrain.plot import plot_training, read_metrics
+    from hpctrain.train.plot import plot_training, read_metrics
     good = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-4, "tokens_per_s": 100.0, "mfu": 0.1,
              "rank_compute_s": [1.0, 2.0], "rank_wait_s": [1.0, 0.0], "stragglers": [{"rank": 1}]} for s in (1, 2)]
     bad = ['{"step": 3, "loss": "x", "lr": 1e-4, "tokens_per_s": 1, "mfu": 0.1}',

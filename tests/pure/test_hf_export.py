@@ -19,12 +19,12 @@ from click.testing import CliRunner
 from hfcheck import LOGIT_TOL, logit_diff
 
 from helpers import SMALL, full_weights, refused
-from hpctrain import session
-from hpctrain.checkpoint import hf
 from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.hf import export as hf
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 # lr 0.05: weights far enough from the init that attention is not uniform, so a wrong rotary layout shows
 GQA = ["model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.vocab_size=200", "train.steps=2",

@@ -16,10 +16,11 @@ from click.testing import CliRunner
 from hfcheck import LOGIT_TOL, logit_diff, make_hf_llama, project_paragraphs, train_bpe
 
 from helpers import full_weights, refused
-from hpctrain import launch, session, tokenized
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.train import Trainer
+from hpctrain.data import tokenize as tokenized
+from hpctrain.job import launch, session
+from hpctrain.train.trainer import Trainer
 
 
 def test_fine_tune_an_hf_model_on_own_data_and_export(tmp_path) -> None:

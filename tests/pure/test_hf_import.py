@@ -19,12 +19,13 @@ from faults import record
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
 from helpers import full_weights, refused
-from hpctrain import hfconfig, session
-from hpctrain.checkpoint import hf_import
+from hpctrain.config import hf as hfconfig
 from hpctrain.config import load_config
-from hpctrain.dims import ModelDims
-from hpctrain.model import Transformer
-from hpctrain.train import Trainer
+from hpctrain.hf import load as hf_import
+from hpctrain.job import session
+from hpctrain.model.dims import ModelDims
+from hpctrain.model.transformer import Transformer
+from hpctrain.train.trainer import Trainer
 
 # the run's own keys: no model sizes (they come from the directory), tiny batches
 RUN = ["model.max_seq_len=64", "data.source=synthetic", "data.seq_len=16", "train.steps=2", "train.lr=1e-3",

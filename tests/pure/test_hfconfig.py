@@ -19,11 +19,11 @@ import torch
 from faults import record
 
 from helpers import refused
-from hpctrain import hfconfig
-from hpctrain.checkpoint import hf_import
 from hpctrain.config import ModelConfig, load_config
-from hpctrain.dims import ModelDims
-from hpctrain.model import Transformer
+from hpctrain.config import hf as hfconfig
+from hpctrain.hf import load as hf_import
+from hpctrain.model.dims import ModelDims
+from hpctrain.model.transformer import Transformer
 
 # a tiny Llama: vocabulary 70 (padded to 128), GQA 4 heads / 2 kv heads, untied
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 70, "hidden_size": 32,

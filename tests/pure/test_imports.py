@@ -1,12 +1,14 @@
-"""Imports run one way: every import of an hpctrain module, at module level or inside a function, goes from a
-module to one at a lower level of LEVELS (the order README.md's "## Layout" states); the import graph has no cycle;
-every module of hpctrain/ has a level. Pure: reads the sources with ast and imports nothing of hpctrain.
+"""Imports run one way: every import of an hpctrain module, at module level or inside a function, goes to a module
+of its own package or of a package lower in ORDER (the order README.md's "## Layout" states); the import graph has
+no cycle; every package and top-level module of hpctrain/ has its place. Pure: reads the sources with ast and
+imports nothing of hpctrain.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_imports.py
 
-A new module gets a level here (and the same place in the README's Layout paragraph). Modules are named by their
-path under hpctrain/ without ".py"; a package's own module is its __init__. Importing a submodule counts as an
-import of that submodule only (not of the packages around it, which Python also runs).
+A unit is a package (a folder of hpctrain/) or a plain module at the top of hpctrain/. A new package or top-level
+module gets a place here (and the same place in the README's Layout paragraph). Modules are named by their path
+under hpctrain/ without ".py"; a package's own module is its __init__. Importing a submodule counts as an import of
+that submodule only (not of the packages around it, which Python also runs).
 """
 from __future__ import annotations
 
@@ -19,49 +21,24 @@ from helpers import REPO
 ROOT = REPO
 PKG = ROOT / "hpctrain"
 
-# The module order, lowest first. A module imports only from lower levels: never from its own level or above.
-LEVELS: list[list[str]] = [
-    # 0: import nothing of hpctrain
-    ["cliutil", "sections", "hostlist", "untrusted", "install_guard"],
-    # 1: an HF directory's config.json, read through untrusted
-    ["hfconfig"],
-    # 2: the typed config (it reads an HF directory's config.json through hfconfig), and modules importing
-    # nothing of hpctrain
-    ["__init__", "config", "netaddr", "fsutil", "mutations", "preempt", "dtypes", "heartbeat", "ending",
-     "parallel/__init__",
-     "planner/__init__", "planner/hardware", "bench/__init__", "bench/pattern", "bench/sweep", "checkpoint/h5file",
-     "checkpoint/index"],
-    # 3: run directories, token files, who am I, the rank arithmetic, the model's dimensions, pipeline stages, the
-    # GEMM probe, DCP planners, the checkpoint lock, the doctor's verdicts (pure)
-    ["runs", "tokenfiles", "rendezvous", "mesh", "dims", "parallel/pipeline", "bench/gemm", "checkpoint/planners",
-     "checkpoint/lock", "doctor_report"],
-    # 4: the job's plan (layout, topology check, model dimensions, pipeline stages, batch plan), made once; the
-    # single-device model; what checkpoints cost; what a host says about itself (storage, environment); the hang
-    # watchdog; the straggler report; the open files a layout needs
-    ["plan", "model", "planner/ckpt_cost", "planner/activations", "planner/timing", "databuild", "hostprobe",
-     "watchdog", "stragglers", "planner/fds"],
-    # 5: one module per parallelism; the planner's model-state memory
-    ["parallel/tensor", "parallel/recompute", "parallel/materialize", "parallel/data", "planner/memory",
-     "planner/peak", "tokenized", "blend", "diagnose"],
-    # 6: what the trainer is made of
-    ["session", "parallel/compose", "optim", "data", "metrics", "bench/colls", "hangrequeue",
-     "checkpoint/hdf5_storage", "checkpoint/state", "planner/report"],
-    # 7
-    ["bench/harness", "bench/plot", "checkpoint/__init__", "checkpoint/layout", "planner/search",
-     "checkpoint/hf_import", "evaluate"],
-    # 8: the checkpoint directory's lifecycle; the doctor's measurements and the training preflight
-    ["checkpoint/manager", "doctor"],
-    # 9: a run's checkpoint policy
-    ["checkpoint/checkpointer"],
-    # 10: the jobs (what one rank runs) and the login-node readers
-    ["train", "benchjob", "checkpoint/inspection", "plot"],
-    # 11: submission, on the login node (torch only when a dry run checks the model); the Hugging Face export; the
-    # commands cli registers (doctor gets cli's launch helpers as arguments)
-    ["launch", "checkpoint/hf", "cli_data", "cli_doctor", "cli_diagnose"],
-    # 12: the `hpctrain` command
-    ["cli"],
-    # 13: the console script: takes the signals, then imports cli
-    ["entry"],
+# The order of the house, lowest first: a unit imports from its own package and from lower places, never from its
+# own place or above.
+ORDER: list[list[str]] = [
+    ["__init__", "untrusted", "fsutil", "dtypes", "hostprobe", "install_guard"],  # plain modules: files and hosts
+    ["config"],      # typed sections, loading, --set, the HF config.json mapping
+    ["model"],       # the single-device transformer and its dimensions
+    ["hang"],        # heartbeats, the watchdog, ending a launch, diagnose, stragglers
+    ["data"],        # token files, blends, the loader, data build and tokenize
+    ["parallel"],    # the plan, the mesh, tensor/data/pipeline parallelism, recompute, materialize
+    ["planner"],     # memory, time and open files of a layout, datasheets, the search
+    ["checkpoint"],  # sharded HDF5 checkpoints: storage, layout, lock, manager, the run's checkpointer
+    ["job"],         # submission, session, rendezvous, addresses, host lists, preemption, runs, the requeue policy
+    ["bench"],       # collective and GEMM benchmarks, and the job that runs them
+    ["doctor"],      # node measurements and their verdicts
+    ["hf"],          # Hugging Face import and export
+    ["train"],       # the trainer, optimizer, evaluation, metrics, plots
+    ["cli"],         # the hpctrain command
+    ["entry"],       # the console script: takes the signals, then imports cli
 ]
 
 
@@ -112,20 +89,30 @@ def scan(files: dict[str, str]) -> tuple[list[Edge], list[str]]:
     return edges, errors
 
 
-def level_errors(edges: list[Edge], levels: list[list[str]]) -> list[str]:
-    """Imports that do not go down the order: to the importer's own level or above it."""
-    level = {m: i for i, ms in enumerate(levels) for m in ms}
-    return [f"hpctrain/{e.src}.py:{e.line}: {e.src} (level {level[e.src]}) imports {e.dst} (level {level[e.dst]}); "
-            f"a module imports only from lower levels"
-            for e in edges if e.src in level and e.dst in level and level[e.dst] >= level[e.src]]
+def unit(module: str) -> str:
+    """'bench/gemm' -> 'bench', 'untrusted' -> 'untrusted', 'checkpoint/__init__' -> 'checkpoint'."""
+    return module.split("/")[0]
 
 
-def placement_errors(modules: set[str], levels: list[list[str]]) -> list[str]:
-    placed = [m for ms in levels for m in ms]
-    errors = [f"{m} is in LEVELS {placed.count(m)} times" for m in sorted(set(placed)) if placed.count(m) > 1]
-    errors += [f"hpctrain/{m}.py has no level: add it to LEVELS here and to README.md's Layout paragraph"
-               for m in sorted(modules - set(placed))]
-    errors += [f"LEVELS names {m}, which is no module of hpctrain" for m in sorted(set(placed) - modules)]
+def order_errors(edges: list[Edge], order: list[list[str]]) -> list[str]:
+    """Imports that leave their package for one at the same place in the order or above it."""
+    place = {u: i for i, us in enumerate(order) for u in us}
+    errors = []
+    for e in edges:
+        a, b = unit(e.src), unit(e.dst)
+        if a != b and a in place and b in place and place[b] >= place[a]:
+            errors.append(f"hpctrain/{e.src}.py:{e.line}: {e.src} ({a}, place {place[a]}) imports {e.dst} ({b}, place "
+                          f"{place[b]}); a package imports only from its own modules and lower places")
+    return errors
+
+
+def placement_errors(modules: set[str], order: list[list[str]]) -> list[str]:
+    placed = [u for us in order for u in us]
+    units = {unit(m) for m in modules}
+    errors = [f"{u} is in ORDER {placed.count(u)} times" for u in sorted(set(placed)) if placed.count(u) > 1]
+    errors += [f"hpctrain/{u} has no place: add it to ORDER here and to README.md's Layout paragraph"
+               for u in sorted(units - set(placed))]
+    errors += [f"ORDER names {u}, which is no package or module of hpctrain" for u in sorted(set(placed) - units)]
     return errors
 
 
@@ -186,28 +173,28 @@ def _cycle_in(graph: dict[str, list[str]], component: set[str]) -> list[str]:
     raise AssertionError(f"no cycle through {start} in {sorted(component)}")
 
 
-def render(levels: list[list[str]]) -> str:
-    """The order as the README states it: '0 `config`, `netaddr`; 1 `rendezvous`; ...'."""
-    return "; ".join(f"{i} " + ", ".join(f"`{m}`" for m in ms) for i, ms in enumerate(levels))
+def render(order: list[list[str]]) -> str:
+    """The order as the README states it: '0 `__init__`, `untrusted`; 1 `config`; ...'."""
+    return "; ".join(f"{i} " + ", ".join(f"`{u}`" for u in us) for i, us in enumerate(order))
 
 
 def hpctrain_sources() -> dict[str, str]:
     return {p.relative_to(PKG).as_posix(): p.read_text() for p in sorted(PKG.rglob("*.py"))}
 
 
-def test_every_module_has_one_level() -> None:
+def test_every_unit_has_one_place() -> None:
     files = hpctrain_sources()
-    errors = placement_errors({module_key(p) for p in files}, LEVELS)
+    errors = placement_errors({module_key(p) for p in files}, ORDER)
     assert not errors, "\n".join(errors)
 
 
 def test_imports_run_down_the_order() -> None:
     edges, errors = scan(hpctrain_sources())
-    errors += level_errors(edges, LEVELS)
+    errors += order_errors(edges, ORDER)
     assert not errors, "\n".join(errors)
     # not vacuous: the scan sees function-level imports (cli imports launch only inside its commands)
     pairs = {(e.src, e.dst) for e in edges}
-    assert ("cli", "launch") in pairs and len(pairs) > 50
+    assert ("cli/main", "job/launch") in pairs and len(pairs) > 50
 
 
 def test_no_import_cycle() -> None:
@@ -221,13 +208,13 @@ def test_readme_states_the_same_order() -> None:
     layout = re.search(r"^## Layout\n(.*?)^## ", readme, re.S | re.M)
     assert layout, "README.md has no '## Layout' section"
     text = " ".join(layout.group(1).split())
-    assert render(LEVELS) in text, f"README.md's Layout paragraph should state the order of LEVELS:\n{render(LEVELS)}"
+    assert render(ORDER) in text, f"README.md's Layout paragraph should state the order of ORDER:\n{render(ORDER)}"
 
 
 def test_checker_catches_injected_violations() -> None:
     """A synthetic package: a function-level relative import that climbs the order and closes a cycle, a
-    `from pkg import name` that means the package's own module, an import of no module, and a module with no
-    level."""
+    `from pkg import name` that means the package's own module, an import of no module, imports inside one
+    package, and a unit with no place."""
     files = {
         "__init__.py": "",
         "low.py": "import os\n\n\ndef f():\n    from . import high  # climbs\n    return high\n",
@@ -237,18 +224,20 @@ def test_checker_catches_injected_violations() -> None:
         "sub/user.py": "from hpctrain.sub import x\nfrom ..low import f\nimport hpctrain.nothing\n",
         "unplaced.py": "",
     }
-    levels = [["__init__", "sub/leaf", "low"], ["sub/__init__"], ["high", "sub/user"]]
+    order = [["__init__", "low"], ["sub"], ["high"]]
     edges, errors = scan(files)
     assert {(e.src, e.line, e.dst) for e in edges} == {
         ("low", 5, "high"), ("high", 1, "low"), ("high", 2, "sub/leaf"), ("sub/__init__", 1, "sub/leaf"),
         ("sub/user", 1, "sub/__init__"), ("sub/user", 2, "low")}
     assert errors == ["hpctrain/sub/user.py:3: imports hpctrain.nothing, which is no module of hpctrain"]
-    assert level_errors(edges, levels) == [
-        "hpctrain/low.py:5: low (level 0) imports high (level 2); a module imports only from lower levels"]
-    assert level_errors([Edge("high", 7, "sub/user")], levels) == [
-        "hpctrain/high.py:7: high (level 2) imports sub/user (level 2); a module imports only from lower levels"]
+    assert order_errors(edges, order) == [
+        "hpctrain/low.py:5: low (low, place 0) imports high (high, place 2); a package imports only from its own "
+        "modules and lower places"]
+    assert order_errors([Edge("high", 7, "sub/user")], [["sub", "high"]]) == [
+        "hpctrain/high.py:7: high (high, place 0) imports sub/user (sub, place 0); a package imports only from its "
+        "own modules and lower places"]
     assert cycles(edges) == [["high", "low", "high"]]
-    assert placement_errors({module_key(p) for p in files}, levels + [["low", "gone"]]) == [
-        "low is in LEVELS 2 times", "hpctrain/unplaced.py has no level: add it to LEVELS here and to README.md's "
-        "Layout paragraph", "LEVELS names gone, which is no module of hpctrain"]
-    assert render(levels[:2]) == "0 `__init__`, `sub/leaf`, `low`; 1 `sub/__init__`"
+    assert placement_errors({module_key(p) for p in files}, order + [["low", "gone"]]) == [
+        "low is in ORDER 2 times", "hpctrain/unplaced has no place: add it to ORDER here and to README.md's "
+        "Layout paragraph", "ORDER names gone, which is no package or module of hpctrain"]
+    assert render(order[:2]) == "0 `__init__`, `low`; 1 `sub`"

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from helpers import TINY, counting_tiles, touched
-from hpctrain import session
 from hpctrain.config import ModelConfig, load_config
-from hpctrain.model import INIT_TILE, ModelDims, init_slice, init_value
+from hpctrain.job import session
+from hpctrain.model.transformer import INIT_TILE, ModelDims, init_slice, init_value
 from hpctrain.parallel import materialize
 
 DIMS = ModelDims.from_config(ModelConfig(n_layers=4))
@@ -79,7 +79,7 @@ def counting_fills(monkeypatch) -> list[int]:
 
 
 def test_resume_skips_the_init_and_a_fresh_run_fills(tmp_path, monkeypatch) -> None:
-    from hpctrain.train import Trainer
+    from hpctrain.train.trainer import Trainer
     calls, drawn = counting_fills(monkeypatch), counting_tiles(monkeypatch)
 
     def fit(steps: int) -> dict:
@@ -97,7 +97,7 @@ def test_resume_skips_the_init_and_a_fresh_run_fills(tmp_path, monkeypatch) -> N
 
 def test_a_trainer_stepped_by_hand_fills_on_first_use(tmp_path, monkeypatch) -> None:
     """Callers that step without fit() (benchmarks, workers) and readers of .model never see unfilled memory."""
-    from hpctrain.train import Trainer
+    from hpctrain.train.trainer import Trainer
     calls = counting_fills(monkeypatch)
     cfg = load_config(None, SMALL + [f"job.run_root={tmp_path}"])
     with session.start(cfg) as s:

@@ -12,8 +12,8 @@ import pytest
 from faults import record
 
 from helpers import EXAMPLE
-from hpctrain import launch, preempt
 from hpctrain.config import load_config
+from hpctrain.job import launch, preempt
 
 # `srun --mpi=list` of Slurm 22.05.8 (this project's cluster), verbatim
 MPI_LIST_22_05 = """MPI plugin types are...
@@ -61,7 +61,7 @@ def test_srun_line_has_the_chosen_plugin():
     (128, range(12), 8, {"OMP_NUM_THREADS": "3", "SLURM_CPUS_PER_TASK": "12"}, 3),
 ])
 def test_cpu_threads_from_the_affinity_mask(monkeypatch, host_cpus, mask, ranks, env, threads):
-    from hpctrain import session
+    from hpctrain.job import session
 
     for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
         monkeypatch.delenv(var, raising=False)

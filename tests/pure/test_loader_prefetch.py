@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain import session
 from hpctrain.config import load_config
-from hpctrain.data import PrefetchLoader, SyntheticSource, TokenLoader
-from hpctrain.train import Trainer
+from hpctrain.data.loader import PrefetchLoader, SyntheticSource, TokenLoader
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 
 def sync_loader(dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 2, source=None) -> TokenLoader:

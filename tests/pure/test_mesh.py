@@ -1,4 +1,4 @@
-"""Pure tests of the (pp, dp, tp) rank arithmetic in hpctrain.mesh: no processes, no torch.distributed.
+"""Pure tests of the (pp, dp, tp) rank arithmetic in hpctrain.parallel.mesh: no processes, no torch.distributed.
 
     .venv/bin/python -m pytest tests/pure/test_mesh.py -q
 """
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from hpctrain.mesh import (
+from hpctrain.parallel.mesh import (
     AXES,
     Layout,
     block_placement,
@@ -196,7 +196,7 @@ def test_format_rank_map_content():
 def test_node_members_need_no_groups(node_of_rank, intra, inter):
     """members() of the node axes is arithmetic: asking it builds no group (a mesh without a device mesh and no
     torch.distributed answers), so a rank may ask alone, e.g. to print."""
-    from hpctrain.mesh import Mesh
+    from hpctrain.parallel.mesh import Mesh
 
     m = Mesh(Layout(1, len(node_of_rank), 1), device_mesh=None, node_of_rank=node_of_rank)
     assert [m.members("intra", r) for r in range(len(node_of_rank))] == intra

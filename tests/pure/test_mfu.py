@@ -12,11 +12,12 @@ import pytest
 import torch
 from faults import record
 
-from hpctrain import metrics, session
 from hpctrain.bench.gemm import probe_size
 from hpctrain.config import TrainConfig, load_config
-from hpctrain.metrics import DATASHEET_TFLOPS, Peak, choose_peak, datasheet_part, matmul_dtype
-from hpctrain.train import Trainer, apply_tf32, tf32_setting
+from hpctrain.job import session
+from hpctrain.train import metrics
+from hpctrain.train.metrics import DATASHEET_TFLOPS, Peak, choose_peak, datasheet_part, matmul_dtype
+from hpctrain.train.trainer import Trainer, apply_tf32, tf32_setting
 
 GEMM = {"tflops": 0.1, "n": 1024, "dtype": "float32"}
 

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from helpers import REPO
-from hpctrain import model
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import ModelConfig, load_config
-from hpctrain.model import ModelDims, Transformer, init_value, native_gqa, sdpa_has_gqa
+from hpctrain.model import transformer as model
+from hpctrain.model.transformer import ModelDims, Transformer, init_value, native_gqa, sdpa_has_gqa
 
 
 def _model(**kw) -> Transformer:

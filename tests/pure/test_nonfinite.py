@@ -23,11 +23,12 @@ import torch
 from faults import record
 
 from helpers import REPO, env_with_venv, only_run_dir, refused
-from hpctrain import optim, runs, session
 from hpctrain.checkpoint.manager import committed
 from hpctrain.config import load_config
+from hpctrain.job import runs, session
 from hpctrain.parallel import compose
-from hpctrain.train import NonFiniteSteps, Trainer
+from hpctrain.train import optim
+from hpctrain.train.trainer import NonFiniteSteps, Trainer
 
 pytestmark = pytest.mark.faults
 

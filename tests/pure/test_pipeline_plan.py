@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hpctrain.config import load_config
-from hpctrain.model import ModelDims, Transformer
+from hpctrain.model.transformer import ModelDims, Transformer
 from hpctrain.parallel.pipeline import StagePlan, balanced_layers, prune, stage_module
-from hpctrain.plan import make_plan
+from hpctrain.parallel.plan import make_plan
 
 
 def plan(*overrides: str, n_layers: int = 8) -> StagePlan:

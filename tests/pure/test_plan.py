@@ -1,4 +1,5 @@
-"""The job's plan (hpctrain.plan): one call gives the layout, the model dimensions, the pipeline's stages and the
+"""The job's plan (hpctrain.parallel.plan): one call gives the layout, the model dimensions, the pipeline's stages and
+the
 batch plan; bad configs are refused with the messages the checks always gave; and each check runs once, on the
 login node (a dry run) and through a rank's session and trainer.
 
@@ -12,14 +13,15 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import EXAMPLE, TINY
-from hpctrain import mesh, plan, session
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.mesh import Layout, block_placement
-from hpctrain.model import ModelDims
+from hpctrain.job import session
+from hpctrain.model.transformer import ModelDims
+from hpctrain.parallel import mesh, plan
+from hpctrain.parallel.mesh import Layout, block_placement
 from hpctrain.parallel.pipeline import StagePlan, describe
-from hpctrain.plan import make_plan, with_training
-from hpctrain.train import Trainer
+from hpctrain.parallel.plan import make_plan, with_training
+from hpctrain.train.trainer import Trainer
 
 PP = ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
 

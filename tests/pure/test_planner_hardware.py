@@ -1,5 +1,5 @@
 """Pure tier for the planner's hardware profiles (hpctrain/planner/hardware.py): every profile complete and
-positive, the dense peaks equal to the trainer's MFU table (hpctrain.metrics.DATASHEET_TFLOPS), the profile and
+positive, the dense peaks equal to the trainer's MFU table (hpctrain.train.metrics.DATASHEET_TFLOPS), the profile and
 override errors, and link bandwidths read from `hpctrain bench` results written the way benchjob writes them,
 including the refusal of malformed files.
 
@@ -57,7 +57,7 @@ def test_gpu_tensor_peaks_above_fp32(name):
 
 
 def test_peaks_equal_metrics_datasheet_table():
-    from hpctrain.metrics import DATASHEET_TFLOPS  # imports torch: only here, never in the planner
+    from hpctrain.train.metrics import DATASHEET_TFLOPS  # imports torch: only here, never in the planner
     assert set(SAME_PART.values()) == set(DATASHEET_TFLOPS)  # every part the trainer knows has a profile
     for name, part in SAME_PART.items():
         assert dict(PROFILES[name].peak_tflops) == DATASHEET_TFLOPS[part], name
@@ -282,7 +282,7 @@ def test_parse_figures_names_the_bad_item():
 def test_plan_cli_takes_figures_and_bench_links(tmp_path):
     from click.testing import CliRunner
 
-    from hpctrain.cli import main as cli
+    from hpctrain.cli.main import main as cli
     config = str(REPO / "slurm/examples/llama-70b.toml")
 
     def plan(*args):

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import REPO, SMALL
-from hpctrain import session
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
+from hpctrain.job import session
 from hpctrain.planner.ckpt_cost import checkpoint_bytes, checkpoint_cost, payload_bytes
 from hpctrain.planner.hardware import profile
 from hpctrain.planner.report import evaluate
@@ -23,7 +23,7 @@ LLAMA = REPO / "slurm" / "examples" / "llama-70b.toml"
 
 def test_checkpoint_size_matches_a_written_checkpoint(tmp_path) -> None:
     """A model other than the one the header constant was measured on: 3 blocks, grouped-query attention."""
-    from hpctrain.train import Trainer
+    from hpctrain.train.trainer import Trainer
     cfg = load_config(None, SMALL + ["model.n_layers=3", "model.dim=48", "model.n_heads=4", "model.n_kv_heads=2",
                                      "train.steps=1", f"job.run_root={tmp_path}"])
     with session.start(cfg) as s:
@@ -31,7 +31,7 @@ def test_checkpoint_size_matches_a_written_checkpoint(tmp_path) -> None:
         ckpt = next((s.run_dir / "checkpoints").glob("step_*"))
     import h5py
 
-    from hpctrain.dims import ModelDims
+    from hpctrain.model.dims import ModelDims
     real = sum(f.stat().st_size for f in ckpt.iterdir())
     stored = []
     with h5py.File(ckpt / "shard-0.h5") as f:

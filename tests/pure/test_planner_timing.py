@@ -23,7 +23,7 @@ import sys
 import pytest
 
 from helpers import REPO
-from hpctrain.dims import ModelDims
+from hpctrain.model.dims import ModelDims
 from hpctrain.planner import timing
 from hpctrain.planner.hardware import profile
 from hpctrain.planner.timing import Shape, bubble_fraction, estimate, flops_per_token, hardware_flops_per_token

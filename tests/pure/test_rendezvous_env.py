@@ -1,4 +1,4 @@
-"""Pure tests of launcher detection and identity in hpctrain.rendezvous, from plain dicts standing in for the
+"""Pure tests of launcher detection and identity in hpctrain.job.rendezvous, from plain dicts standing in for the
 environment: no MPI, no torch.distributed.
 
     .venv/bin/python -m pytest tests/pure/test_rendezvous_env.py -q
@@ -12,7 +12,7 @@ import stat
 import pytest
 from faults import record
 
-from hpctrain.rendezvous import Identity, detect_launcher, identity_from_env, identity_from_node_names
+from hpctrain.job.rendezvous import Identity, detect_launcher, identity_from_env, identity_from_node_names
 
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
          "SLURM_NNODES": "4", "SLURM_JOB_ID": "4242"}
@@ -145,7 +145,7 @@ def test_non_numeric_variable_is_named():
 
 def test_address_file_is_private_from_creation(tmp_path):
     """Created 0600 even under umask 0 (os.open with the mode, not a chmod after), and readable by the others."""
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
 
     info = {"addr": "127.0.0.1", "port": 4242, "host": "h", "secret": "0" * 32}
     ranks = [Identity(r, 2, r, 0, "n", 1, "slurm", "77", "h") for r in range(2)]
@@ -194,7 +194,7 @@ FIX = ['job.mpi = "pmix"', "srun --mpi=list", 'parallel.rendezvous = "slurm"']
 ], ids=["pmi2", "pmi2_singletons", "none", "none_singletons", "pmix", "pmix_singleton", "hydra_in_slurm",
         "hydra_broken", "mpirun_in_slurm", "mpirun_broken", "hydra", "nothing", "mpiexec_n1_in_allocation"])
 def test_mpi_world_against_launcher(env, mpi_size, said):
-    from hpctrain.rendezvous import check_mpi_world
+    from hpctrain.job.rendezvous import check_mpi_world
 
     if said is None:
         check_mpi_world(mpi_size, env)
@@ -235,7 +235,7 @@ TORCHRUN_4 = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID":
 def test_bind_device(env, gpus_on_node, expected, monkeypatch):
     import torch
 
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
 
     visible = env.get("CUDA_VISIBLE_DEVICES")
     count = len(visible.split(",")) if visible is not None else gpus_on_node  # what CUDA would count
@@ -252,7 +252,7 @@ def test_bind_device_under_mpi(visible, expected, monkeypatch):
     """srun --mpi=pmi2, 2 nodes x 4 tasks: the local rank comes from the gathered node names."""
     import torch
 
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible.split(",")))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
@@ -264,7 +264,7 @@ def test_bind_device_under_mpi(visible, expected, monkeypatch):
 def test_bind_device_cpu_backends(monkeypatch):
     import torch
 
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device under gloo"))
     assert rendezvous.bind_device(identity_from_env("slurm", SLURM), "gloo") == torch.device("cpu")
@@ -277,7 +277,7 @@ def test_damaged_address_file_is_a_clean_error(tmp_path, text):
     """A rank that reads a damaged, huge, deeply nested or linked address file gets a ValueError naming it."""
     from faults import record
 
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
 
     ident = Identity(1, 2, 1, 0, "n", 1, "slurm", "77", "h")
     path = rendezvous._rendezvous_file(ident, tmp_path)
@@ -306,7 +306,7 @@ def test_srun_torchrun_workers_that_inherit_pmi_are_torchrun_ranks():
 
 
 def test_mpi_environment_only_for_the_mpich_wheel_and_only_unset():
-    from hpctrain.rendezvous import mpi_environment, mpich_wheel_libmpi
+    from hpctrain.job.rendezvous import mpi_environment, mpich_wheel_libmpi
     assert mpich_wheel_libmpi({}) is not None, "the test venv has the mpich wheel (make install)"
     assert mpi_environment({}) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}
     assert mpi_environment({"MPIR_CVAR_CH4_NETMOD": "ucx"}) == {}  # the user's choice

@@ -16,9 +16,9 @@ import time
 import pytest
 from faults import record
 
-from hpctrain import netaddr, rendezvous
-from hpctrain.netaddr import check_reachable, feed_socket_ifname, store_address
-from hpctrain.rendezvous import Identity
+from hpctrain.job import netaddr, rendezvous
+from hpctrain.job.netaddr import check_reachable, feed_socket_ifname, store_address
+from hpctrain.job.rendezvous import Identity
 
 DEBIAN = lambda: ("node7.cluster", "127.0.1.1")  # noqa: E731 -- /etc/hosts maps the host name to loopback
 RESOLVES = lambda: ("node7.cluster", "10.1.0.7")  # noqa: E731

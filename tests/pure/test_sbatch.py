@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from faults import record
 
 from helpers import REPO
-from hpctrain import launch
-from hpctrain.cli import main
+from hpctrain.cli.main import main
 from hpctrain.config import load_config
+from hpctrain.job import launch
 
 EXAMPLES = REPO / "slurm" / "examples"
 TINY = EXAMPLES / "tiny-cpu.toml"
@@ -242,7 +242,7 @@ SRUN_TASK_PMIX_SITE = {"SLURM_PROCID": "9", "SLURM_NTASKS": "32", "SLURM_LOCALID
 @pytest.mark.faults
 @pytest.mark.parametrize("example", [GPU, LLAMA], ids=lambda p: p.stem)
 def test_gpu_examples_take_identity_from_slurm_and_start_no_mpi(example, monkeypatch):
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
     cfg = load_config(example)
     assert "--mpi=none" in srun_line(cfg).split()  # srun starts no PMI server: nothing for a site MPI to match
     for var in [v for v in os.environ if v.startswith(("SLURM_", "PMI", "OMPI_", "MV2_", "TORCHELASTIC_"))]:

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from helpers import SMALL
-from hpctrain import hostprobe, launch, mesh
+from hpctrain import hostprobe
 from hpctrain.config import load_config
-from hpctrain.plan import make_plan
+from hpctrain.job import launch
+from hpctrain.parallel import mesh
+from hpctrain.parallel.plan import make_plan
 
 MOUNTS = """\
 /dev/sda2 / ext4 rw,relatime 0 0

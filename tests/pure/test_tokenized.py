@@ -25,11 +25,12 @@ from faults import record
 from hfcheck import project_paragraphs, train_bpe
 
 from helpers import SMALL, refused
-from hpctrain import session, tokenized
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.tokenfiles import ArraySource, HDF5Source, check_records, tokenizer_file, val_file
-from hpctrain.train import Trainer
+from hpctrain.data import tokenize as tokenized
+from hpctrain.data.tokenfiles import ArraySource, HDF5Source, check_records, tokenizer_file, val_file
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
 
 EOS = "<|endoftext|>"
 

@@ -13,12 +13,13 @@ import torch
 from click.testing import CliRunner
 
 from helpers import EXAMPLE
-from hpctrain import optim, session
-from hpctrain.cli import main as cli
+from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.metrics import host_values
+from hpctrain.job import session
 from hpctrain.parallel import pipeline
-from hpctrain.train import Trainer
+from hpctrain.train import optim
+from hpctrain.train.metrics import host_values
+from hpctrain.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("sets, fragment", [
@@ -108,7 +109,7 @@ def test_train_step_leaves_its_metrics_on_the_device(tmp_path, monkeypatch) -> N
         rows = [tr.train_step(sync=False) for _ in range(4)]
         monkeypatch.undo()
     # foreach AdamW cannot skip on the device: its finiteness check is the one read, documented in _optimizer_step
-    assert reads == ["train.py:_optimizer_step"] * 4
+    assert reads == ["trainer.py:_optimizer_step"] * 4
     assert all(isinstance(r["loss"], torch.Tensor) and isinstance(r["grad_norm"], torch.Tensor) for r in rows)
     assert [host_values(r)["loss"] for r in rows] == want  # the same numbers, read late
 

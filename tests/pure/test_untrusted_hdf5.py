@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from faults import record
 
-from hpctrain.tokenfiles import HDF5Source
+from hpctrain.data.tokenfiles import HDF5Source
 from hpctrain.untrusted import HDF5_BUILTIN_FILTERS, ForeignData, hdf5_dataset
 
 SECRET = b"OUTSIDE-THE-FILE-" * 64

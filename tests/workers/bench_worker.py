@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpctrain import benchjob, cli, session
 from hpctrain.bench import colls, harness, pattern
+from hpctrain.bench import job as benchjob
+from hpctrain.cli import main as cli
 from hpctrain.config import load_config
+from hpctrain.job import session
 
 HIER_NUMEL = 1000  # divisible by the intra group size (2)
 

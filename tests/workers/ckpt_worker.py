@@ -12,9 +12,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY, full_weights  # noqa: E402
-from hpctrain import session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.train import Trainer  # noqa: E402
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer  # noqa: E402
 
 
 def signal_after(step: int):

@@ -16,11 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY  # noqa: E402
-from hpctrain import benchjob, session  # noqa: E402
 from hpctrain.bench import harness  # noqa: E402
+from hpctrain.bench import job as benchjob
 from hpctrain.bench.gemm import measure_gemm  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.train import Trainer  # noqa: E402
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer  # noqa: E402
 
 ROUNDS, STEPS, GEMM_N = 4, 2, 1024
 

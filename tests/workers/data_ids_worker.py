@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY  # noqa: E402
-from hpctrain import data, session, tokenfiles  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.train import Trainer  # noqa: E402
+from hpctrain.data import loader as data
+from hpctrain.data import tokenfiles
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer  # noqa: E402
 
 
 def main(out: Path, base_port: int) -> None:

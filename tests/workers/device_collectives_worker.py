@@ -31,7 +31,7 @@ def _host_collectives(rank: int, world: int, out: Path) -> dict[str, str]:
 
     from hpctrain.checkpoint import manager, state
     from hpctrain.config import CheckpointConfig
-    from hpctrain.preempt import PreemptionFlag
+    from hpctrain.job.preempt import PreemptionFlag
 
     mgr = manager.CheckpointManager(CheckpointConfig(dir=str(out / "none")), out, rank, writer=False)
 
@@ -77,7 +77,7 @@ def _no_grad_pp_rank(rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hpctrain import optim
+    from hpctrain.train import optim
 
     pp_group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
     p = torch.nn.Parameter(torch.ones(3))
@@ -103,9 +103,9 @@ def _train(overrides: list[str]) -> dict:
 
     from torch.distributed import distributed_c10d as c10d
 
-    from hpctrain import session
     from hpctrain.config import load_config
-    from hpctrain.train import Trainer
+    from hpctrain.job import session
+    from hpctrain.train.trainer import Trainer
 
     try:
         with session.start(load_config(None, TINY + overrides)) as s:
@@ -121,7 +121,7 @@ def _train(overrides: list[str]) -> dict:
 def worker(out: Path) -> None:
     import torch.distributed as dist
 
-    from hpctrain import rendezvous
+    from hpctrain.job import rendezvous
 
     ident = rendezvous.identify("slurm")
     rank, world = ident.rank, ident.world_size

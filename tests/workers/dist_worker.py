@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from hpctrain import train
 from hpctrain.config import load_config
+from hpctrain.train import trainer as train
 
 
 def main(out: str, example: str, base_port: int, cases_json: str) -> None:

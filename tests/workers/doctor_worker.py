@@ -12,8 +12,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 os.environ["SLURMD_NODENAME"] = f"node{os.environ['GROUP_RANK']}"  # the node names the doctor blames
 from helpers import EXAMPLE, each_case  # noqa: E402
-from hpctrain import doctor, preempt, session, train  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
+from hpctrain.doctor import measure as doctor
+from hpctrain.job import preempt, session
+from hpctrain.train import trainer as train
 
 SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.steps=2", "train.log_every=1",
          "checkpoint.at_end=false", "parallel.timeout_s=120"]

@@ -9,9 +9,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY, each_case  # noqa: E402
-from hpctrain import session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.train import Trainer  # noqa: E402
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer  # noqa: E402
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:

@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 
-from hpctrain import tokenized
-from hpctrain.cli import main
+from hpctrain.cli.main import main
+from hpctrain.data import tokenize as tokenized
 
 
 class _Encoding:
@@ -21,7 +21,8 @@ class _Encoding:
 
 
 class _ByteTokenizer:
-    """What hpctrain.tokenized asks of a tokenizers.Tokenizer in a build: encode_batch(texts) -> objects with .ids"""
+    """What hpctrain.data.tokenize asks of a tokenizers.Tokenizer in a build: encode_batch(texts) -> objects with
+    .ids"""
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[_Encoding]:
         return [_Encoding(np.frombuffer(t.encode("utf-8"), dtype=np.uint8)) for t in texts]

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import each_case, full_weights  # noqa: E402
-from hpctrain import session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.model import clean_name  # noqa: E402
-from hpctrain.train import Trainer  # noqa: E402
+from hpctrain.job import session
+from hpctrain.model.transformer import clean_name  # noqa: E402
+from hpctrain.train.trainer import Trainer  # noqa: E402
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:

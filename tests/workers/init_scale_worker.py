@@ -16,8 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import TINY, counting_tiles  # noqa: E402
-from hpctrain import model, session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
+from hpctrain.job import session
+from hpctrain.model import transformer as model
 from hpctrain.parallel import compose, materialize  # noqa: E402
 
 

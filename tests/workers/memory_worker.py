@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import SMALL  # noqa: E402
-from hpctrain import session  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.train import Trainer  # noqa: E402
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer  # noqa: E402
 
 
 def storage_bytes(tensors) -> int:

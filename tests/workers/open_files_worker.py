@@ -54,9 +54,9 @@ def count_fds() -> dict[str, int]:
 def main(out: Path, overrides: list[str]) -> None:
     import torch.distributed as dist
 
-    from hpctrain import session
     from hpctrain.config import load_config
-    from hpctrain.train import Trainer
+    from hpctrain.job import session
+    from hpctrain.train.trainer import Trainer
 
     rank = int(os.environ["SLURM_PROCID"])
     result: dict = {"soft_at_start": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}

@@ -6,7 +6,7 @@ import signal
 
 
 def report() -> dict:
-    from hpctrain import preempt
+    from hpctrain.job import preempt
 
     flag = preempt.process_flag()
     handler = signal.getsignal(signal.SIGUSR2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers import run_case  # noqa: E402
-from hpctrain.mutations import MUTATION_ENV  # noqa: E402
+from hpctrain.train.mutations import MUTATION_ENV  # noqa: E402
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:
@@ -24,7 +24,7 @@ def main(out: str, cases_json: str, base_port: int) -> None:
     errors = {}
     for i, case in enumerate(json.loads(cases_json)):
         os.environ["MASTER_PORT"] = str(base_port + i)
-        # a case's deliberate bug (hpctrain.mutations.gradient_mutation), for this case only
+        # a case's deliberate bug (hpctrain.train.mutations.gradient_mutation), for this case only
         os.environ.pop(MUTATION_ENV, None)
         if case.get("mutation"):
             os.environ[MUTATION_ENV] = case["mutation"]

@@ -1,0 +1,258 @@
+"""The parallel layout: pure (pp, dp, tp) rank arithmetic, the topology check, and the one place that builds
+process groups.
+
+Ranks are laid out as a (pp, dp, tp) grid with tp innermost, rank = (pp_rank * dp + dp_rank) * tp + tp_rank,
+so with Slurm's block placement a tp group is a run of neighbouring ranks on one node (NVLink) while pp and dp
+groups stride across nodes (InfiniBand). The arithmetic needs no processes; `build_mesh` needs an initialised
+torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp"); the node mesh ("inter", "intra") is built
+when a payload first asks for one of its groups (the benchmark does; training does not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+AXES = ("pp", "dp", "tp")
+NODE_AXES = ("inter", "intra")  # inter: same local rank on every node; intra: all ranks of one node
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """rank -> {"pp": i, "dp": j, "tp": k}."""
+        pp_rank, rest = divmod(rank, self.dp * self.tp)
+        dp_rank, tp_rank = divmod(rest, self.tp)
+        return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def group(self, rank: int, axis: str) -> list[int]:
+        """The ranks that share every coordinate with `rank` except `axis`, in axis order."""
+        c = self.coords(rank)
+        members = []
+        for i in range(self.size(axis)):
+            c[axis] = i
+            members.append(self.rank(**c))
+        return members
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis`, each listed once, ordered by first member."""
+        seen: dict[int, list[int]] = {}
+        for r in range(self.world_size):
+            g = self.group(r, axis)
+            seen.setdefault(g[0], g)
+        return [seen[k] for k in sorted(seen)]
+
+    def grid(self) -> list[list[list[int]]]:
+        """grid[pp][dp][tp] = rank, the argument DeviceMesh wants."""
+        return [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)] for p in range(self.pp)]
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} dp={self.dp} tp={self.tp}"
+
+
+def resolve_layout(pp: int, dp: int, tp: int, world_size: int) -> Layout:
+    """Fills in dp = -1 and checks pp * dp * tp == world_size."""
+    if dp == -1:
+        if world_size % (pp * tp):
+            raise ValueError(f"world size {world_size} is not divisible by pp({pp}) * tp({tp}) = {pp * tp}, "
+                             f"so dp cannot be inferred")
+        dp = world_size // (pp * tp)
+    if pp * dp * tp != world_size:
+        raise ValueError(f"pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} != world size {world_size}")
+    return Layout(pp, dp, tp)
+
+
+def block_placement(nodes: int, tasks_per_node: int) -> list[int]:
+    """node index of each rank under Slurm's default block distribution (ranks 0..k-1 on the first node)."""
+    return [r // tasks_per_node for r in range(nodes * tasks_per_node)]
+
+
+def node_members(node_of_rank: Sequence[int]) -> list[list[int]]:
+    """Ranks of each node, nodes in index order, ranks ascending (so list position = local rank)."""
+    nodes: dict[int, list[int]] = {}
+    for r, n in enumerate(node_of_rank):
+        nodes.setdefault(n, []).append(r)
+    return [nodes[n] for n in sorted(nodes)]
+
+
+def check_topology(layout: Layout, node_of_rank: Sequence[int]) -> None:
+    """Refuses a layout whose tp groups leave a node, or whose nodes hold different numbers of ranks."""
+    if layout.world_size != len(node_of_rank):
+        raise ValueError(f"layout {layout} covers {layout.world_size} ranks but the job has {len(node_of_rank)}")
+    per_node = node_members(node_of_rank)
+    counts = sorted({len(m) for m in per_node})
+    if len(counts) > 1:
+        raise ValueError(f"nodes hold different numbers of ranks ({counts}); hpctrain needs the same on each")
+    ranks_per_node = counts[0]
+    if ranks_per_node % layout.tp:
+        raise ValueError(f"tp({layout.tp}) does not divide the {ranks_per_node} ranks per node: "
+                         f"every tensor-parallel group must lie inside one node")
+    for group in layout.groups("tp"):
+        nodes = sorted({node_of_rank[r] for r in group})
+        if len(nodes) > 1:
+            raise ValueError(f"tp group {group} spans nodes {nodes}: tensor parallel must stay inside one node "
+                             f"(ranks are not placed node by node; use Slurm's block distribution)")
+
+
+def rank_table(layout: Layout, node_of_rank: Sequence[int], node_names: Sequence[str] | None = None,
+               local_ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """One row per rank: node, local rank, coordinates and the members of each axis group."""
+    per_node = node_members(node_of_rank)
+    rows = []
+    for r in range(layout.world_size):
+        n = node_of_rank[r]
+        row: dict[str, Any] = {
+            "rank": r,
+            "node": node_names[r] if node_names else f"node{n}",
+            "node_index": n,
+            "local_rank": local_ranks[r] if local_ranks else per_node[n].index(r),
+        }
+        row.update(layout.coords(r))
+        for axis in AXES:
+            row[f"{axis}_group"] = layout.group(r, axis)
+        rows.append(row)
+    return rows
+
+
+def format_rank_map(layout: Layout, rows: Sequence[dict[str, Any]]) -> str:
+    """The rank map as text, one line per rank, for `hpctrain topo` and the job's first log lines."""
+    num_nodes = len({row["node_index"] for row in rows})
+    head = (f"layout {layout} on {num_nodes} node(s) x {len(rows) // max(num_nodes, 1)} rank(s): "
+            f"tp inside nodes, pp and dp across")
+    cols = ["rank", "node", "local", "pp", "dp", "tp", "tp_group", "dp_group", "pp_group"]
+    cells = [[str(row["rank"]), str(row["node"]), str(row["local_rank"]), str(row["pp"]), str(row["dp"]),
+              str(row["tp"])] + ["[" + ",".join(map(str, row[f"{a}_group"])) + "]" for a in ("tp", "dp", "pp")]
+             for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [cols] + cells]
+    return "\n".join(lines)
+
+
+@dataclass
+class Mesh:
+    """Process groups of a running job. Pass it (or one of its groups) to whatever communicates."""
+    layout: Layout
+    device_mesh: Any  # torch DeviceMesh, axes ("pp", "dp", "tp")
+    node_of_rank: Sequence[int] = ()
+    node_mesh: Any = None  # torch DeviceMesh, axes ("inter", "intra"): built by the first request for its groups
+    node_checks: dict[str, Any] | None = None  # check_groups of the node axes, once built
+    rank: int = 0  # this process's rank (global)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's {"pp": i, "dp": j, "tp": k}."""
+        return self.layout.coords(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    def group(self, axis: str):
+        import torch.distributed as dist
+        if axis == "world":
+            return dist.group.WORLD
+        if axis in AXES:
+            return self.device_mesh.get_group(axis)
+        if axis in NODE_AXES:
+            return self._node_mesh().get_group(axis)
+        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
+
+    def members(self, axis: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s group along axis, from the arithmetic alone (no group is built)."""
+        if axis == "world":
+            return list(range(self.layout.world_size))
+        if axis in AXES:
+            return self.layout.group(rank, axis)
+        if axis in NODE_AXES:
+            per_node = node_members(self.node_of_rank)
+            mine = per_node[self.node_of_rank[rank]]
+            return mine if axis == "intra" else [ranks[mine.index(rank)] for ranks in per_node]
+        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
+
+    def _node_mesh(self):
+        """The per-node groups, built on the first request and checked like the others. Collective: every rank
+        asks at the same point, as the benchmark does (--group intra/inter, the two-level all-reduce). Training
+        never asks, so its ranks hold no communicator it does not use (each NCCL one costs device memory)."""
+        if self.node_mesh is None:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device_type = self.device_mesh.device_type
+            self.node_mesh = DeviceMesh(device_type, torch.tensor(node_members(self.node_of_rank)),
+                                        mesh_dim_names=NODE_AXES)
+            self.node_checks = check_groups(self, self.rank, torch.device(device_type), NODE_AXES)
+            if not self.node_checks["ok"]:
+                raise RuntimeError("group checks failed:\n" + "\n".join(self.node_checks["failures"]))
+        return self.node_mesh
+
+
+def build_mesh(layout: Layout, node_of_rank: Sequence[int], device_type: str) -> Mesh:
+    """Creates the (pp, dp, tp) groups; all ranks must call it with the same arguments, a layout whose topology
+    was checked (hpctrain.parallel.plan.make_plan checks it). The per-node groups wait for their first use (Mesh.group).
+    The mesh keeps this process's rank: its coordinates are Mesh.coords, .pp_rank, .dp_rank, .tp_rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl"), its
+    # gloo connecting a pair on their first message (rendezvous.lazy_gloo): an axis whose collectives all run on the
+    # device holds no gloo connection, and no call site can hand an axis a host tensor it cannot serve
+    device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=AXES)
+    return Mesh(layout, device_mesh, list(node_of_rank), rank=dist.get_rank())
+
+
+def verify_mesh(mesh: Mesh, rank: int, device: Any, axes: Sequence[str] = ("world",) + AXES
+                ) -> dict[str, dict[str, Any]]:
+    """Checked all-reduce on each axis group (the world and the (pp, dp, tp) axes unless told).
+
+    Each rank adds a one-hot vector at its own rank, so the sum is 1 exactly at the group's members: a group
+    with a wrong member, a missing member or a broken link shows up as a wrong vector.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = mesh.layout.world_size
+    results = {}
+    for axis in axes:
+        members = mesh.members(axis, rank)
+        x = torch.zeros(world, dtype=torch.float32, device=device)
+        x[rank] = 1.0
+        dist.all_reduce(x, group=mesh.group(axis))
+        got = [r for r in range(world) if x[r].item() == 1.0]
+        ok = got == sorted(members) and float(x.sum().item()) == len(members)
+        results[axis] = {"members": members, "got": got, "ok": ok}
+    return results
+
+
+def check_groups(mesh: Mesh, rank: int, device: Any, axes: Sequence[str] = ("world",) + AXES) -> dict[str, Any]:
+    """verify_mesh on every rank, the verdicts gathered on all ranks: every rank sees the same failures."""
+    import torch.distributed as dist
+
+    mine = verify_mesh(mesh, rank, device, axes)
+    every: list[Any] = [None] * mesh.layout.world_size
+    dist.all_gather_object(every, mine)
+    bad = [f"rank {r} axis {axis}: expected {res['members']} got {res['got']}"
+           for r, checks in enumerate(every) for axis, res in checks.items() if not res["ok"]]
+    groups = {axis: sorted({tuple(c[axis]["members"]) for c in every}) for axis in mine}
+    return {"ok": not bad, "failures": bad, "groups": {a: [list(g) for g in gs] for a, gs in groups.items()}}

@@ -1,0 +1,58 @@
+"""Validation loss (train.eval_every, train.eval_batches): the same batches of the validation split at every
+evaluation, forward only, on every rank of any layout.
+
+    ev = Evaluator(cfg, vocab_size, dp_rank, dp_size, micro_batch, dp_group, device)
+    if ev.due(step, total_steps):
+        row = ev.run(step, batch_loss, chunk)   # {"step", "val_loss", "val_tokens", "eval_s"}
+
+`batch_loss(batches)` is the trainer's: the sum of the per-micro-batch mean cross-entropies of `chunk` micro-batches
+(one pipeline schedule's worth under pp, where it runs the schedule's forward-only eval; else one at a time), the
+same loss definition training reports, as a device scalar on every rank. Every micro-batch holds the same number
+of tokens, so the mean over micro-batches and dp ranks is the mean over every validation token. Training's data
+position is untouched: evaluation has its own loader.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import Config
+from hpctrain.data import loader as data
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, vocab_size: int, dp_rank: int, dp_size: int, micro_batch: int, dp_group,
+                 device: torch.device) -> None:
+        self.every, self.device, self.dp_group, self.dp_size = cfg.train.eval_every, device, dp_group, dp_size
+        source = data.open_val_source(cfg.data, vocab_size, seed=cfg.train.seed)
+        self.loader = data.EvalLoader(source, cfg.data.seq_len, micro_batch, dp_rank, dp_size, cfg.train.eval_batches)
+        self.tokens = self.loader.num_batches * self.loader.global_batch * cfg.data.seq_len
+        self.done: list[tuple[int, float]] = []  # (step, val_loss) of every evaluation of this run
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Every eval_every steps and after the last step."""
+        return step % self.every == 0 or step == total_steps
+
+    def run(self, step: int, batch_loss: Callable[[list], torch.Tensor], chunk: int = 1) -> dict[str, Any]:
+        # the step's kernels still queued are training time: TrainLog takes eval_s out of the step's throughput
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        batches = list(self.loader.batches())
+        batches = batches[:len(batches) - len(batches) % chunk]  # a pipeline schedule takes whole groups
+        if not batches:
+            raise ValueError(f"the validation split gives {self.loader.num_batches} global micro-batches, fewer than "
+                             f"the {chunk} one pipelined evaluation takes (train.grad_accum): set train.eval_batches "
+                             f"to a multiple of it, or give more validation data")
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        with torch.no_grad():
+            for i in range(0, len(batches), chunk):
+                total += batch_loss(batches[i:i + chunk]).double()
+        dist.all_reduce(total, group=self.dp_group)
+        loss = total.item() / (len(batches) * self.dp_size)
+        self.done.append((step, loss))
+        return {"step": step, "val_loss": loss, "val_tokens": self.tokens * len(batches) // self.loader.num_batches,
+                "eval_s": time.perf_counter() - t0}
