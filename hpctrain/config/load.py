@@ -56,6 +56,13 @@ _HINTS = typing.get_type_hints(Config)
 SECTIONS: dict[str, type] = {f.name: _HINTS[f.name] for f in dataclasses.fields(Config)}
 
 
+# keys that were renamed: a config that still names one is refused with the new name and why, never read as another
+RENAMED = {
+    "job.hang_requeues": "job.node_requeues (one limit for the preflight's and a hang's requeues without bad nodes, "
+                         "counted together)",
+}
+
+
 def _suggest(word: str, valid: typing.Iterable[str]) -> str:
     valid = sorted(valid)
     close = difflib.get_close_matches(word, valid, n=1)
@@ -113,6 +120,8 @@ def from_dict(raw: dict[str, typing.Any]) -> Config:
             init_from = raw.get("train", {}).get("init_from", "") if isinstance(raw.get("train"), dict) else ""
             table = hfconfig.model_table(init_from, table) if isinstance(init_from, str) else table
         for key, value in table.items():
+            if f"{name}.{key}" in RENAMED:
+                raise ValueError(f"{name}.{key} = {value!r}: the key is now {RENAMED[f'{name}.{key}']}")
             if key not in hints:
                 raise ValueError(f"unknown key {name}.{key}{_suggest(key, hints)}")
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])

@@ -58,10 +58,10 @@ class JobConfig:
     # `hpctrain doctor`'s checks on training's own groups, after the mesh and before the model; under Slurm a job
     # with a failed node is requeued without it (hpctrain/doctor/measure.py preflight)
     preflight: bool = False
-    # after a hang, the first rank to see it requeues the Slurm job without the nodes of ranks that left no hang dump
-    # (stopped, dead, stuck in the kernel), at most this many times per run; it resumes from its last checkpoint
-    # (hpctrain/job/requeue.py); 0: a hung job just ends
-    hang_requeues: int = 1
+    # requeues of a Slurm job without its bad nodes, at most this many per run, the preflight's (job.preflight: the
+    # failed nodes) and a hang's (the nodes of ranks that left no hang dump) counted together; the job resumes from
+    # its last checkpoint (hpctrain/job/requeue.py, history in RUN_DIR/requeues.jsonl); 0: such a job just ends
+    node_requeues: int = 2
     # the compute nodes' hard limit on open files (their `ulimit -Hn`): each rank raises its soft limit to the hard
     # one at start, and the dry run refuses a layout whose rank 0 would need more (hpctrain/planner/fds.py); 0: the
     # submitting host's hard limit, assumed to be the compute nodes' too
@@ -73,7 +73,7 @@ class JobConfig:
                f"job.name = {self.name!r} may only hold letters, digits, '_', '.', '-'")
         one_of("job", "executor", self.executor, ("auto", "slurm", "local"))
         positive("job", self, "nodes", "tasks_per_node", "cpus_per_task", "time_min")
-        positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", "hang_requeues",
+        positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", "node_requeues",
                  "nofile", allow_zero=True)
         ranks = self.nodes * self.tasks_per_node
         check(ranks <= MAX_WORLD_SIZE, f"job.nodes = {self.nodes} x job.tasks_per_node = {self.tasks_per_node} = "

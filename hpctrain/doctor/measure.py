@@ -16,24 +16,21 @@ Collectives here use tensors on the rank's device (an NCCL group serves only CUD
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from hpctrain import hostprobe, untrusted
+from hpctrain import hostprobe
 from hpctrain.bench import gemm, harness
 from hpctrain.bench.colls import COLLS, Ctx
 from hpctrain.bench.sweep import bandwidths
 from hpctrain.doctor import report as doctor_report
-from hpctrain.job import preempt, runs, session
-from hpctrain.job import requeue as hangrequeue
+from hpctrain.job import preempt, requeue, runs, session
 from hpctrain.model.dims import ModelDims
 from hpctrain.parallel import mesh
 from hpctrain.planner.ckpt_cost import checkpoint_bytes
@@ -278,57 +275,6 @@ def run(s: session.Session, opts: Options, stop: Callable[[], bool] | None = Non
     return report
 
 
-HISTORY_LIMIT = 1 << 20  # bytes of preflight.jsonl: a line per failed attempt, a few hundred bytes each
-
-
-def requeues_before(history: Path) -> int:
-    """How often earlier preflights of this job requeued it: the lines of run_dir's preflight.jsonl whose
-    "requeued" is true. The file is read as untrusted (hpctrain.untrusted): an Untrusted error names it and what is
-    wrong with it."""
-    if not os.path.lexists(history):
-        return 0
-    count = 0
-    for i, line in enumerate(untrusted.read_bytes(history, HISTORY_LIMIT).splitlines(), 1):
-        row = untrusted.parse_json(line, f"{str(history)!r} line {i}")
-        if not isinstance(row, dict) or not isinstance(row.get("requeued"), bool):
-            raise untrusted.Untrusted(f"{str(history)!r} line {i}: not a preflight record (no true or false "
-                                      f"\"requeued\")")
-        count += row["requeued"]
-    return count
-
-
-def append_history(history: Path, row: dict[str, Any]) -> None:
-    """One line per failed attempt (what was excluded, why), appended to preflight.jsonl itself: a link planted in
-    its place is not followed (OSError) out of the run directory."""
-    try:
-        fd = os.open(history, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise OSError(f"cannot append to {history}: {e.strerror}") from None
-    with os.fdopen(fd, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def _requeue_without(failed: list[str], num_nodes: int, run_dir: Path) -> tuple[bool, str]:
-    """Rank 0 of a failed preflight: requeue the Slurm job with the failed nodes added to its excluded ones, unless
-    that leaves the partition too few usable nodes, or this job was requeued so too often (run_dir's
-    preflight.jsonl counts them; a history that cannot be read requeues nothing: the count bounds the requeues)."""
-    try:
-        before = requeues_before(run_dir / "preflight.jsonl")
-    except untrusted.Untrusted as e:
-        return False, f"not requeued: {e}"
-    job = preempt.slurm_job_id()
-    if not job:
-        return False, "not a Slurm job: nothing to requeue"
-    already = preempt.excluded_nodes(job)
-    usable = preempt.usable_nodes(os.environ.get("SLURM_JOB_PARTITION", ""))
-    if isinstance(already, str) or isinstance(usable, str):
-        return False, already if isinstance(already, str) else usable
-    exclude, why = hangrequeue.plan_requeue(failed, already, usable, num_nodes, before)
-    if exclude is None:
-        return False, f"not requeued: {why}"
-    return preempt.requeue_excluding(exclude)
-
-
 def preflight(s: session.Session) -> bool:
     """job.preflight: the doctor's checks on training's own groups, after the mesh and before the model. True:
     passed. False: this attempt ends without training: failed under Slurm, and the job was requeued without the
@@ -351,12 +297,13 @@ def preflight(s: session.Session) -> bool:
         return True
     box: list[Any] = [None]
     if s.rank == 0:
-        requeued, why = _requeue_without(report["failed_nodes"], s.ident.num_nodes, s.run_dir)
-        box[0] = {"requeued": requeued, "why": why, "failed_nodes": report["failed_nodes"],
+        requeued, why = requeue.requeue_without(report["failed_nodes"], s.run_dir, s.cfg.job.node_requeues,
+                                                     s.ident.num_nodes)
+        box[0] = {"cause": "preflight", "requeued": requeued, "why": why, "failed_nodes": report["failed_nodes"],
                   "unattributed": report["unattributed"], "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
-            append_history(s.run_dir / "preflight.jsonl", box[0])
+            requeue.record(s.run_dir, box[0])
         except OSError as e:  # said, not fatal: the other ranks wait for this one's verdict
             log.warning("preflight: %s", e)
     dist.broadcast_object_list(box, src=0)

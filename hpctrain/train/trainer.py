@@ -484,8 +484,8 @@ class Trainer:
 
 def run(cfg: Config, run_dir: str | Path | None = None) -> dict[str, Any]:
     with session.start(cfg, run_dir) as s:
-        if s.watchdog is not None and cfg.job.hang_requeues:  # a hung training job goes on without its bad nodes
-            s.watchdog.on_end = functools.partial(hangrequeue.after_hang, s.run_dir, cfg.job.hang_requeues,
+        if s.watchdog is not None and cfg.job.node_requeues:  # a hung training job goes on without its bad nodes
+            s.watchdog.on_end = functools.partial(hangrequeue.after_hang, s.run_dir, cfg.job.node_requeues,
                                                   s.ident.num_nodes)
         if cfg.job.preflight:
             from hpctrain.doctor import measure as doctor

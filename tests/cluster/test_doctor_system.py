@@ -94,13 +94,14 @@ def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, mon
     seconds = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
-    history = [json.loads(line) for line in (run_dir / "preflight.jsonl").read_text().splitlines()]
+    history = [json.loads(line) for line in (run_dir / "requeues.jsonl").read_text().splitlines()]
     assert len(history) == 1 and history[0]["requeued"] and history[0]["failed_nodes"] == ["n1"], history
+    assert history[0]["cause"] == "preflight", history
     assert "ExcNodeList=n1" in history[0]["why"]
     summary = json.loads((run_dir / "summary.json").read_text())  # the second attempt's
     assert summary["doctor"]["ok"] and summary["train"]["steps"] == 20
     assert {r["node"] for r in summary["rank_map"]} == {"n2", "n3"}
     assert "preflight | FAILED nodes: n1" in out.stdout and "preflight | PASSED" in out.stdout
     record("job.preflight with a node slowed 10x, 2-node Slurm job on a 3-node cluster", "requeued without it "
-           "(ExcNodeList=n1), runs again on n2, n3 and trains; preflight.jsonl says what was excluded and why",
+           "(ExcNodeList=n1), runs again on n2, n3 and trains; requeues.jsonl says what was excluded and why",
            seconds, "slurm")

@@ -49,14 +49,14 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
     """2 nodes x 2 tasks on the 3-node cluster: rank 2 (the first rank of n2) stops in its first step's forward.
     That step has the long limit (300 s here), but a stopped rank's watchdog falls silent: its neighbour calls the
     hang at the step limit (issue 25: the second stop took the whole long limit). The job is requeued without n2
-    (job.hang_requeues = 1) and runs again on n1 and n3, where rank 2 stops again in its first step: that hang ends
+    (job.node_requeues = 1) and runs again on n1 and n3, where rank 2 stops again in its first step: that hang ends
     the job (the limit), well within the long limit, and submit --wait exits 1. Both hangs are named, each with its
     node. (Slurm wakes the stopped rank with SIGCONT at the requeue: its late dump must not count.)"""
     root = tmp_path / "runs"
     long_s = 300
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *sets(f"job.run_root={root}", "job.wait_timeout_s=30", *HANG_SETS,
-                           f"parallel.startup_timeout_s={long_s}")],
+                           f"parallel.startup_timeout_s={long_s}", "job.node_requeues=1")],
                     {"HPCTRAIN_FAULT": "SIGSTOP:2:forward"})
     launch.wait_for(r"submitted job \d+", 60)
     job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
@@ -65,9 +65,10 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
     assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
     assert launch.proc.returncode == 1 and "hang on rank" in launch.output, launch.output[-3000:]
     run = only_run_dir(root)
-    history = [json.loads(line) for line in (run / "hang.jsonl").read_text().splitlines()]
+    history = [json.loads(line) for line in (run / "requeues.jsonl").read_text().splitlines()]
     assert [h["requeued"] for h in history] == [True, False] and history[0]["nodes"] == ["n2"], history
-    assert "ExcNodeList=n2" in history[0]["why"] and "job.hang_requeues = 1" in history[1]["why"], history
+    assert "ExcNodeList=n2" in history[0]["why"] and "job.node_requeues = 1" in history[1]["why"], history
+    assert {h["cause"] for h in history} == {"hang"}, history
     (earlier,) = run.glob("hang-*")  # the first hang's files and heartbeats, moved aside by the second incarnation
     first = subprocess.run([tool("hpctrain"), "diagnose", str(earlier), "--json"], capture_output=True, text=True,
                            timeout=60, env=env_with_venv())
@@ -78,7 +79,7 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
     record("rank 2 stopped (SIGSTOP) inside its first step's forward, twice (Slurm, 2 nodes x 2 tasks, 3 nodes)",
            f"a neighbour's watchdog sees rank 2's silent at the step limit ({HANG_S} s; the first step's long limit "
            f"is {long_s} s) and ranks 0, 1, 3 dump; the job is requeued without n2 and runs again on n1, n3; the "
-           "second hang ends it (job.hang_requeues = 1) within the launcher's 240 s; submit --wait exits 1; "
+           "second hang ends it (job.node_requeues = 1) within the launcher's 240 s; submit --wait exits 1; "
            "diagnose names rank 2 on n2, then on n3", gone, "slurm")
 
 

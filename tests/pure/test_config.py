@@ -252,3 +252,15 @@ def test_run_root_defaults_to_scratch(monkeypatch, tmp_path):
     for unset in (lambda: monkeypatch.delenv("SCRATCH"), lambda: monkeypatch.setenv("SCRATCH", "")):
         unset()
         assert load_config(None).job.run_root == JobConfig().run_root == "runs"
+
+
+def test_a_renamed_key_is_refused_with_its_new_name(tmp_path):
+    """job.hang_requeues became job.node_requeues (one limit for the preflight's and a hang's requeues): a config
+    that still names it is refused, naming the value and the new key, from a file and from --set alike."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[job]\nhang_requeues = 3\n")
+    for args in [(cfg, ()), (None, ["job.hang_requeues=3"])]:
+        with pytest.raises(ValueError, match=r"job.hang_requeues = 3: the key is now job.node_requeues"):
+            load_config(*args)
+    assert load_config(None, ["job.node_requeues=3"]).job.node_requeues == 3
+    assert load_config(None).job.node_requeues == 2

@@ -196,10 +196,25 @@ def test_a_hung_job_is_requeued_without_the_silent_ranks_node(tmp_path, monkeypa
     assert said == "requeued job 77 without n1 (ExcNodeList=n1)", said
     assert calls.read_text().splitlines()[-2:] == ["requeue 77", "update JobId=77 ExcNodeList=n1"]
     again = hangrequeue.after_hang(run, limit=1, num_nodes=2)  # the requeued job hung too: the limit
-    assert again.startswith("not requeued: job.hang_requeues = 1") and calls.read_text().count("requeue 77") == 1
-    history = [json.loads(line) for line in (run / "hang.jsonl").read_text().splitlines()]
+    assert again.startswith("not requeued: job.node_requeues = 1") and calls.read_text().count("requeue 77") == 1
+    history = [json.loads(line) for line in (run / "requeues.jsonl").read_text().splitlines()]
     assert [h["requeued"] for h in history] == [True, False] and history[0]["nodes"] == ["n1"]
+    assert [h["cause"] for h in history] == ["hang", "hang"]
     assert history[0]["culprits"][0] == {"rank": 1, "node": "n1", "step": 812, "phase": "forward", "dumped": False}
+
+
+def test_preflight_and_hang_requeues_share_one_limit(tmp_path, monkeypatch) -> None:
+    """One policy: a requeue the preflight made counts against job.node_requeues when the job later hangs."""
+    from hpctrain.job import requeue
+    run = tmp_path / "run"
+    run.mkdir()
+    _stopped_rank_1(run)
+    calls = _fake_slurm(tmp_path, monkeypatch)
+    requeue.record(run, {"cause": "preflight", "requeued": True, "why": "requeued without n3"})
+    said = requeue.after_hang(run, limit=1, num_nodes=2)
+    assert said.startswith("not requeued: job.node_requeues = 1, and this job was requeued without bad nodes 1"), said
+    assert not calls.exists() or "requeue 77" not in calls.read_text()
+    assert requeue.after_hang(run, limit=2, num_nodes=2).startswith("requeued job 77 without n1")
 
 
 def test_hangs_that_are_not_a_nodes_fault_end_the_job(tmp_path, monkeypatch) -> None:
@@ -454,7 +469,7 @@ def test_lone_surrogates_and_deep_nesting_in_run_files(tmp_path) -> None:
 
 @pytest.mark.faults
 def test_a_damaged_hang_history_ends_the_job_without_a_requeue(tmp_path, monkeypatch) -> None:
-    """hang.jsonl nested past json's recursion (or holding rows of the wrong types) raised out of after_hang, which
+    """requeues.jsonl nested past json's recursion (or holding rows of the wrong types) raised out of after_hang, which
     must never raise: no requeue, and the reason says which file."""
     from hpctrain.job import requeue as hangrequeue
     run = tmp_path / "run"
@@ -462,9 +477,9 @@ def test_a_damaged_hang_history_ends_the_job_without_a_requeue(tmp_path, monkeyp
     _stopped_rank_1(run)
     calls = _fake_slurm(tmp_path, monkeypatch)
     for text in ["[" * 100000 + "]" * 100000 + "\n", '{"requeued": "no"}\n', '["requeued"]\n']:
-        (run / "hang.jsonl").write_text(text)
+        (run / "requeues.jsonl").write_text(text)
         said = hangrequeue.after_hang(run, limit=1, num_nodes=2)
-        assert said.startswith("not requeued: ") and "hang.jsonl" in said, said
+        assert said.startswith("not requeued: ") and "requeues.jsonl" in said, said
     assert not calls.exists() or "requeue" not in calls.read_text()
-    record("hang.jsonl nested 10^5 deep, or with rows of the wrong types, at a hang",
-           "after_hang does not raise: no requeue, the reason names hang.jsonl", tier="pure")
+    record("requeues.jsonl nested 10^5 deep, or with rows of the wrong types, at a hang",
+           "after_hang does not raise: no requeue, the reason names requeues.jsonl", tier="pure")

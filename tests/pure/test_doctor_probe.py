@@ -19,7 +19,7 @@ from helpers import refused
 from hpctrain import hostprobe
 from hpctrain.cli import doctor as cli_doctor
 from hpctrain.doctor import measure as doctor
-from hpctrain.job import preempt
+from hpctrain.job import preempt, requeue
 from hpctrain.untrusted import MAX_DEPTH, Untrusted
 
 pytestmark = pytest.mark.faults
@@ -145,41 +145,41 @@ def test_a_command_that_is_not_training_ends_on_term_usr2_and_int(flag):
 
 @pytest.mark.parametrize("content, why", [
     (b'{"requeued": true}\n{"requeued": false}\n{"requeued": true}\n', None),
-    (b'{"requeued": "yes"}\n', "line 1: not a preflight record"),
-    (b'{"requeued": true}\n[1]\n', "line 2: not a preflight record"),
+    (b'{"requeued": "yes"}\n', "line 1: not a row with"),
+    (b'{"requeued": true}\n[1]\n', "line 2: not a row with"),
     (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"\n", "line 1: JSON nested more than"),
     (b'{"requeued": true, "why": "\\ud800"}\n', "lone surrogate"),
     (b"\xff\n", "not UTF-8"),
-    (b"x" * (doctor.HISTORY_LIMIT + 1), "more than the"),
+    (b"x" * (requeue.MAX_HISTORY_BYTES + 1), "more than the"),
 ])
-def test_preflight_history_is_read_as_untrusted(tmp_path, content, why):
-    history = tmp_path / "preflight.jsonl"
-    assert doctor.requeues_before(history) == 0
+def test_requeue_history_is_read_as_untrusted(tmp_path, content, why):
+    history = tmp_path / requeue.HISTORY
+    assert requeue.requeues_in(history) == 0
     history.write_bytes(content)
     if why is None:
-        assert doctor.requeues_before(history) == 2
+        assert requeue.requeues_in(history) == 2
         return
     with pytest.raises(Untrusted, match=why):
-        doctor.requeues_before(history)
-    requeued, said = doctor._requeue_without(["n1"], 2, tmp_path)  # a history that cannot be read requeues nothing
+        requeue.requeues_in(history)
+    requeued, said = requeue.requeue_without(["n1"], tmp_path, 3, 2)  # a history that cannot be read requeues nothing
     assert not requeued and said.startswith("not requeued: ") and why in said
 
 
-def test_preflight_history_symlink_is_not_followed(tmp_path):
+def test_requeue_history_symlink_is_not_followed(tmp_path):
+    history = tmp_path / requeue.HISTORY
     (tmp_path / "elsewhere").write_text('{"requeued": false}\n')
-    (tmp_path / "preflight.jsonl").symlink_to(tmp_path / "elsewhere")
+    history.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(Untrusted, match="symbolic link"):
-        doctor.requeues_before(tmp_path / "preflight.jsonl")
+        requeue.requeues_in(history)
     with pytest.raises(OSError, match="cannot append to"):
-        doctor.append_history(tmp_path / "preflight.jsonl", {"requeued": True})
+        requeue.record(tmp_path, {"requeued": True})
     assert (tmp_path / "elsewhere").read_text() == '{"requeued": false}\n'  # untouched
-    (tmp_path / "preflight.jsonl").unlink()
-    doctor.append_history(tmp_path / "preflight.jsonl", {"requeued": True})
-    doctor.append_history(tmp_path / "preflight.jsonl", {"requeued": False})
-    assert doctor.requeues_before(tmp_path / "preflight.jsonl") == 1
-    record("crafted preflight.jsonl (nested, surrogate, wrong type, huge, symlink)",
-           "Untrusted naming the file and line; the preflight requeues nothing; a symlink is neither read nor "
-           "appended to", tier="pure")
+    history.unlink()
+    requeue.record(tmp_path, {"cause": "preflight", "requeued": True})
+    requeue.record(tmp_path, {"cause": "hang", "requeued": False})
+    assert requeue.requeues_in(history) == 1
+    record("crafted requeues.jsonl (nested, surrogate, wrong type, huge, symlink)",
+           "Untrusted naming the file and line; no requeue; a symlink is neither read nor appended to", tier="pure")
 
 
 @pytest.mark.parametrize("content, why", [

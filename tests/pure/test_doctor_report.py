@@ -17,7 +17,7 @@ from hpctrain.config import load_config
 from hpctrain.doctor import measure as doctor
 from hpctrain.doctor.report import Rules, analyse, expected_figures, render
 from hpctrain.job import hostlist, preempt
-from hpctrain.job.requeue import MAX_REQUEUES, plan_requeue
+from hpctrain.job.requeue import plan_requeue
 
 CPU = Rules.for_device("cpu")
 GPU = Rules.for_device("cuda")
@@ -267,14 +267,15 @@ def test_preflight_config_key():
 
 def test_requeue_plan():
     usable = ["n1", "n2", "n3"]
-    assert plan_requeue(["n1"], [], usable, 2, 0) == (["n1"], "requeued without n1")
-    assert plan_requeue(["n3"], ["n1"], usable + ["n4"], 2, 1) == (["n1", "n3"], "requeued without n[1,3]")
-    exclude, why = plan_requeue(["n2"], ["n1"], usable, 2, 1)
+    assert plan_requeue(["n1"], [], usable, 2, 0, 2) == (["n1"], "requeued without n1")
+    assert plan_requeue(["n3"], ["n1"], usable + ["n4"], 2, 1, 2) == (["n1", "n3"], "requeued without n[1,3]")
+    exclude, why = plan_requeue(["n2"], ["n1"], usable, 2, 1, 2)
     assert exclude is None and "would leave 1 usable node(s) of the partition (n3) for a 2-node job" in why
-    exclude, why = plan_requeue([], [], usable, 2, 0)
+    exclude, why = plan_requeue([], [], usable, 2, 0, 2)
     assert exclude is None and "names a node" in why
-    exclude, why = plan_requeue(["n3"], [], usable + ["n4", "n5"], 2, MAX_REQUEUES)
-    assert exclude is None and f"requeued this job {MAX_REQUEUES} times" in why
+    exclude, why = plan_requeue(["n3"], [], usable + ["n4", "n5"], 2, 2, 2)
+    assert exclude is None and "job.node_requeues = 2, and this job was requeued without bad nodes 2 time(s)" in why
+    assert plan_requeue(["n3"], [], usable, 2, 0, 0)[0] is None  # 0: no requeue at all
 
 
 def _fake_scontrol(tmp_path, monkeypatch, fail_update=False):
