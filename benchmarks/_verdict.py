@@ -8,7 +8,7 @@
 - the order of the two sides alternates from round to round (`balanced`), both sides configured alike.
 
 `verdict(...)` returns the record that goes into a results JSON under "verdicts"; `readme_table.py` builds the
-README's table from those records and nothing else.
+table in benchmarks/README.md from those records and nothing else.
 """
 from __future__ import annotations
 

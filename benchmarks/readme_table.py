@@ -1,10 +1,11 @@
-"""Writes the README's "Measured here" table from the verdict records in benchmarks/results/*.json, and nothing
-else: every row is one `_verdict.verdict` record (median of paired per-round values, 95% interval, rounds,
-target, met or NOT MET). `make bench` runs it after the benchmarks; tests/pure/test_readme_bench.py fails when the
-README and the JSON files disagree.
+"""Writes the "Measured here" table of benchmarks/README.md from the verdict records in benchmarks/results/*.json,
+and nothing else: every row is one `_verdict.verdict` record (median of paired per-round values, 95% interval,
+rounds, target, met or NOT MET). `make bench` runs it after the benchmarks; tests/pure/test_readme_bench.py fails
+when that README and the JSON files disagree. The table lives beside the rule that judges it and the benchmarks
+that fill it; the project's front page only links to it.
 
-    python benchmarks/readme_table.py            # rewrite the table between the markers in README.md
-    python benchmarks/readme_table.py --check    # exit 1 when README.md is not what the JSON files give
+    python benchmarks/readme_table.py            # rewrite the table between the markers in benchmarks/README.md
+    python benchmarks/readme_table.py --check    # exit 1 when benchmarks/README.md is not what the JSON files give
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-README = HERE.parent / "README.md"
+README = HERE / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # table order: the order `make bench` runs them (run_all.py); files not listed come after, by name
 ORDER = ["collectives", "train_overhead", "zero_memory", "activation_checkpointing", "checkpoint_io",
@@ -88,13 +89,13 @@ def splice(text: str, table: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when README.md differs from the JSON files")
+    ap.add_argument("--check", action="store_true", help="exit 1 when benchmarks/README.md differs from the JSON files")
     args = ap.parse_args()
     text = README.read_text()
     new = splice(text, render(load()))
     if args.check:
         if new != text:
-            print("README.md's benchmark table is not what benchmarks/results/*.json give: "
+            print("benchmarks/README.md's table is not what benchmarks/results/*.json give: "
                   "run `python benchmarks/readme_table.py`", file=sys.stderr)
             return 1
         return 0

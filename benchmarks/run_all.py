@@ -8,7 +8,7 @@ activation memory per schedule, one 70B rank's initialisation.
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
 several ranks; outputs go to benchmarks/results/. Every benchmark judges itself by the rule in
-benchmarks/README.md; afterwards readme_table.py rewrites the README's "Measured here" table from the results
+benchmarks/README.md; afterwards readme_table.py rewrites that file's "Measured here" table from the results
 files' verdict records (a missed target is a NOT MET row, not a failed step). Exits non-zero if a step fails (a
 wrong collective result, or a benchmark whose two sides disagree, included).
 """

@@ -1,4 +1,4 @@
-"""The fault campaign's record and the README's Reliability table.
+"""The fault campaign's record and the reliability table of docs/reliability.md.
 
 Every test marked `faults` injects one fault and asserts its outcome; it also calls
 
@@ -7,7 +7,7 @@ Every test marked `faults` injects one fault and asserts its outcome; it also ca
 which leaves one JSON file per fault under .faults/ (git-ignored). After `make test` (or `pytest -m faults`),
 
     python tests/faults.py            # prints the table
-    python tests/faults.py --readme   # rewrites the table between the README's faults markers
+    python tests/faults.py --readme   # rewrites the table between the faults markers of docs/reliability.md
 
 Only what a test asserted goes into its outcome text: the table is generated, never typed.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_DIR = REPO / ".faults"
+PAGE = REPO / "docs" / "reliability.md"  # where the table is read; the front page links to it
 BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
 
 
@@ -42,16 +43,17 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def rewrite_readme(readme: Path = REPO / "README.md") -> None:
-    text = readme.read_text()
+def rewrite_page(page: Path = PAGE) -> None:
+    """Puts table() between the faults markers of `page` (docs/reliability.md; the --readme flag kept its name)."""
+    text = page.read_text()
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
     if not rest:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} section")
-    readme.write_text(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
+        raise SystemExit(f"{page} has no {BEGIN} ... {END} section")
+    page.write_text(f"{head}{BEGIN}\n{table()}\n{END}{tail}")
 
 
 if __name__ == "__main__":
     if "--readme" in sys.argv[1:]:
-        rewrite_readme()
+        rewrite_page()
     print(table())

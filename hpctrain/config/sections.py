@@ -29,31 +29,36 @@ MAX_WORLD_SIZE = 1 << 20
 @dataclass
 class JobConfig:
     """[job]: what Slurm is asked for, and where runs go."""
-    name: str = "hpctrain"
-    run_root: str = field(default_factory=default_run_root)  # each run gets a fresh directory below this
+    name: str = "hpctrain"  # the Slurm job's name and its run directory's prefix: letters, digits, "_", ".", "-"
+    # each run gets a fresh directory below this; default: $SCRATCH/hpctrain where $SCRATCH is set, else "runs" below
+    # the current directory (default_run_root), resolved into the run's config.toml
+    run_root: str = field(default_factory=default_run_root)
     executor: str = "auto"  # auto (Slurm when reachable, else local) | slurm | local
-    nodes: int = 1
+    nodes: int = 1  # Slurm nodes (--nodes)
     tasks_per_node: int = 1  # ranks per node: one per GPU
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
+    gpus_per_node: int = 0  # 0 for a CPU job, else tasks_per_node
+    cpus_per_task: int = 1  # CPUs per rank, passed to sbatch and to srun; each rank's threads keep to them
     mem_gb: float = 0.0  # per node; 0: the site default, or with exclusive all of the node's (--mem=0)
-    time_min: int = 60
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
+    time_min: int = 60  # the job's time limit in minutes (--time)
+    partition: str = ""  # --partition; "": the site's default one (either is checked at submit: exists, fits)
+    account: str = ""  # --account; "": none sent
+    qos: str = ""  # --qos; "": none sent
+    constraint: str = ""  # --constraint (node features); "": none sent
     wckey: str = ""  # empty: no --wckey line (submitit's default "submitit" is refused where wckeys are enforced)
-    exclusive: bool = False
+    exclusive: bool = False  # --exclusive: whole nodes
     signal_delay_s: int = 120  # USR2 arrives this long before the time limit
     sbatch_extra: list[str] = field(default_factory=list)  # e.g. ["--mail-type=END", "--reservation=x"]
     setup: list[str] = field(default_factory=list)  # shell lines before srun, e.g. "module load cuda"
     # srun --mpi plugin, checked at submit against the site's `srun --mpi=list`: pmi2 for MPICH/Intel MPI, pmix for
-    # Open MPI 5 (which has no PMI2: under pmi2 each task would be rank 0 of 1); "": the site's MpiDefault
+    # Open MPI 5 (which has no PMI2: under pmi2 each task would be rank 0 of 1); "none": no MPI, as in the GPU
+    # examples (with parallel.rendezvous = "slurm"); "": the site's MpiDefault
     mpi: str = "pmi2"
-    srun_args: list[str] = field(default_factory=list)  # more srun options, after ours, e.g. "--cpu-bind=none"
+    # more srun options, after ours (docs/cluster.md lists those), e.g. "--cpu-bind=none"; never --mpi: job.mpi
+    srun_args: list[str] = field(default_factory=list)
     wait_timeout_s: int = 120  # how long --wait waits for results after the job left the queue
     # hardware profile the planner checks the layout against before submission (hpctrain plan --gpu: a100-40g,
-    # a100-80g, h100-sxm, h100-pcie, h200, b200, mi250x, mi300x, cpu); "": cpu when gpus_per_node = 0, else none
+    # a100-80g, h100-sxm, h100-pcie, h200, b200, mi250x, mi300x, cpu), and the doctor's datasheet checks;
+    # "": cpu when gpus_per_node = 0, else none
     gpu: str = ""
     # `hpctrain doctor`'s checks on training's own groups, after the mesh and before the model; under Slurm a job
     # with a failed node is requeued without it (hpctrain/doctor/measure.py preflight)
@@ -108,7 +113,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_
 @dataclass
 class ParallelConfig:
     """[parallel]: the (pp, dp, tp) layout, tp innermost, and how ranks connect."""
-    pp: int = 1
+    pp: int = 1  # pipeline stages (across nodes)
     dp: int = -1  # -1: whatever is left of the world after pp * tp
     tp: int = 1  # must fit inside one node
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
@@ -122,8 +127,9 @@ class ParallelConfig:
     startup_timeout_s: int = 1200
     flight_recorder: int = 2000  # collectives each rank remembers (torch's flight recorder) for hang dumps; 0: off
     rendezvous: str = "auto"  # auto | mpi | slurm | submitit | torchrun | single
-    master_addr: str = ""  # where rank 0's store listens (bound to it only); empty: parallel.interface's address,
-    #                        else 127.0.0.1 on one host, else the host name's address unless it is loopback
+    # where rank 0's store listens (bound to it only); empty: parallel.interface's address, else 127.0.0.1 on one
+    # host, else the host name's address unless it is loopback
+    master_addr: str = ""
     interface: str = ""  # e.g. "ib0": rank 0 publishes its address; NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME unless set
     connect_timeout_s: int = 60  # ranks stop dialling rank 0's store after this, naming it (timeout_s: collectives)
     zero_stage: int = 0  # 0 DDP, 1 + optimizer state sharded, 2 + gradients (FSDP2), 3 + parameters (FSDP2)
@@ -181,15 +187,16 @@ class ParallelConfig:
 
 @dataclass
 class ModelConfig:
-    """[model]: a Llama-style decoder."""
-    vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
+    """[model]: a Llama-style decoder. With train.init_from = "hf:DIR" every key left out comes from the
+    directory's config.json, and a key given must agree with it."""
+    vocab_size: int = 256  # token ids must lie below it; padded to a multiple of lcm(64, tp) when it does not split
+    dim: int = 128  # the model width
+    n_layers: int = 2  # transformer blocks
+    n_heads: int = 4  # attention heads; must divide dim
     n_kv_heads: int = 0  # 0: same as n_heads (no grouped-query attention)
     ffn_dim: int = 0  # 0: about 8/3 * dim, rounded up to a multiple of 64
-    max_seq_len: int = 256
-    tie_embeddings: bool = False
+    max_seq_len: int = 256  # longest sequence the rotary tables cover; data.seq_len must not exceed it
+    tie_embeddings: bool = False  # the output layer shares the embedding's weights (refused with pp > 1)
     rope_theta: float = 10000.0  # RoPE base; train.init_from = "hf:PATH" takes it (and the sizes) from config.json
     norm_eps: float = 1e-5  # RMSNorm epsilon
 
@@ -209,19 +216,19 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     """[train]: the optimisation loop."""
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the run
     micro_batch_size: int = 8  # sequences per rank per micro-step
     global_batch_size: int = 0  # if set: sequences per optimizer step; micro_batch_size = it / (dp * grad_accum)
-    grad_accum: int = 1
-    lr: float = 3e-4
+    grad_accum: int = 1  # micro-batches per optimizer step (with pp > 1: the micro-batches each step pipelines)
+    lr: float = 3e-4  # peak learning rate, after warmup_steps, then a cosine
     scale_lr_with_batch: int = 0  # if set: lr is for this global batch and scales linearly with the real one
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # the learning rate rises linearly to lr over these steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     weight_decay: float = 0.1  # not applied to norms, biases or other 1-D parameters
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # on the global norm across all shards; 0 disables
-    seed: int = 0
+    seed: int = 0  # the init, the data order and synthetic data all follow it
     precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; master weights and optimizer stay fp32)
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16
     loss_scale: float = 65536.0  # initial dynamic loss scale for fp16
@@ -231,7 +238,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 50
     ac: str = "none"  # activation checkpointing: none | full | every
     ac_every: int = 2  # with ac = "every": checkpoint blocks 0, k, 2k, ...
-    log_every: int = 10
+    log_every: int = 10  # steps between logged steps (progress line, straggler report); the first and last too
     profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
     peak_tflops: float = 0.0  # per-rank peak for MFU; 0: a recognised GPU's datasheet figure, else the GEMM probe's
     tf32: bool = True  # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs)
@@ -283,7 +290,7 @@ class DataConfig:
     # validation split for train.eval_every; "": beside each training file, its "<stem>.val<suffix>" (what
     # `hpctrain data build --val-fraction` writes), blended with the same weights; synthetic data: another seed
     val_path: str = ""
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per sample
 
     def __post_init__(self) -> None:
         check_fields("data", self)
@@ -328,11 +335,11 @@ class CheckpointConfig:
     """[checkpoint]: sharded HDF5 checkpoints."""
     dir: str = ""  # empty: <run dir>/checkpoints
     every_steps: int = 0  # 0: only on preemption, on demand (touch <run dir>/SAVE_NOW) and at the end
-    keep: int = 2
+    keep: int = 2  # committed checkpoints kept, newest by commit order; at least 2
     async_save: bool = False  # training goes on while shards are written (at most one save in flight)
     verify: str = "full"  # checksums checked at load: full | sampled (1 in 8 datasets) | none
     stripe_count: int = 0  # Lustre: lfs setstripe -c on each checkpoint directory (0: leave alone, -1: all OSTs)
-    stripe_size_mb: int = 4
+    stripe_size_mb: int = 4  # Lustre: lfs setstripe -S, with stripe_count
     at_end: bool = True  # save once more after the last step
     chunk_mb: float = 0.0  # 0: contiguous HDF5 datasets (one write, one read each); > 0: chunks up to this size
     # the rate (GB/s) the whole job reads and writes checkpoints at; conservative. The hang watchdog gives a save or

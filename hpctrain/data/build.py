@@ -49,9 +49,10 @@ _SKIP_DIRS = ("__pycache__",)  # plus every hidden directory (.git, .venv)
 
 
 def project_corpus_inputs() -> list[Path]:
-    """The bundled training corpus: the hpctrain package and, beside it, README.md, Makefile and slurm/."""
+    """The bundled training corpus: the hpctrain package and, beside it, README.md, docs/, Makefile and slurm/ (the
+    docs/ pages hold what README.md held before it became a front page: the corpus keeps the same text)."""
     package = Path(__file__).resolve().parents[1]
-    beside = [package.parent / name for name in ("README.md", "Makefile", "slurm")]
+    beside = [package.parent / name for name in ("README.md", "docs", "Makefile", "slurm")]
     return [package] + [p for p in beside if p.exists()]
 
 

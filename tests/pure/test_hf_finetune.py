@@ -1,4 +1,4 @@
-"""The whole Hugging Face story in one process, as the README tells it: a tokenizer (BPE, trained here on the
+"""The whole Hugging Face story in one process, as docs/hf.md tells it: a tokenizer (BPE, trained here on the
 project's own text) and a random transformers Llama of its vocabulary in an HF directory; `hpctrain data build
 --tokenizer` makes the training data and its validation split; a run with train.init_from = "hf:DIR" fine-tunes
 with validation loss, records the tokenizer in its checkpoints (which still verify), and `hpctrain ckpt export

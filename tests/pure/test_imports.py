@@ -1,12 +1,14 @@
 """Imports run one way: every import of an hpctrain module, at module level or inside a function, goes to a module
-of its own package or of a package lower in ORDER (the order README.md's "## Layout" states); the import graph has
+of its own package or of a package lower in ORDER (the order docs/architecture.md's "## Layout" states, and the
+rows of README.md's "Where to read the code" table follow); the import graph has
 no cycle; every package and top-level module of hpctrain/ has its place. Pure: reads the sources with ast and
 imports nothing of hpctrain.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_imports.py
 
 A unit is a package (a folder of hpctrain/) or a plain module at the top of hpctrain/. A new package or top-level
-module gets a place here (and the same place in the README's Layout paragraph). Modules are named by their path
+module gets a place here (and the same place in docs/architecture.md's Layout paragraph and the README's table).
+Modules are named by their path
 under hpctrain/ without ".py"; a package's own module is its __init__. Importing a submodule counts as an import of
 that submodule only (not of the packages around it, which Python also runs).
 """
@@ -110,7 +112,7 @@ def placement_errors(modules: set[str], order: list[list[str]]) -> list[str]:
     placed = [u for us in order for u in us]
     units = {unit(m) for m in modules}
     errors = [f"{u} is in ORDER {placed.count(u)} times" for u in sorted(set(placed)) if placed.count(u) > 1]
-    errors += [f"hpctrain/{u} has no place: add it to ORDER here and to README.md's Layout paragraph"
+    errors += [f"hpctrain/{u} has no place: add it to ORDER here and to docs/architecture.md's Layout paragraph"
                for u in sorted(units - set(placed))]
     errors += [f"ORDER names {u}, which is no package or module of hpctrain" for u in sorted(set(placed) - units)]
     return errors
@@ -174,7 +176,7 @@ def _cycle_in(graph: dict[str, list[str]], component: set[str]) -> list[str]:
 
 
 def render(order: list[list[str]]) -> str:
-    """The order as the README states it: '0 `__init__`, `untrusted`; 1 `config`; ...'."""
+    """The order as docs/architecture.md states it: '0 `__init__`, `untrusted`; 1 `config`; ...'."""
     return "; ".join(f"{i} " + ", ".join(f"`{u}`" for u in us) for i, us in enumerate(order))
 
 
@@ -203,12 +205,29 @@ def test_no_import_cycle() -> None:
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-def test_readme_states_the_same_order() -> None:
-    readme = (ROOT / "README.md").read_text()
-    layout = re.search(r"^## Layout\n(.*?)^## ", readme, re.S | re.M)
-    assert layout, "README.md has no '## Layout' section"
+def test_architecture_page_states_the_same_order() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    layout = re.search(r"^## Layout\n(.*?)^## ", page, re.S | re.M)
+    assert layout, "docs/architecture.md has no '## Layout' section"
     text = " ".join(layout.group(1).split())
-    assert render(ORDER) in text, f"README.md's Layout paragraph should state the order of ORDER:\n{render(ORDER)}"
+    assert render(ORDER) in text, \
+        f"docs/architecture.md's Layout paragraph should state the order of ORDER:\n{render(ORDER)}"
+
+
+def table_places(readme: str) -> dict[int, set[str]]:
+    """{place: units} from the README's "Where to read the code" table, whose rows are '| 3 | `hang/` | ... |'."""
+    section = re.search(r"^## Where to read the code\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
+    assert section, "README.md has no '## Where to read the code' section"
+    places: dict[int, set[str]] = {}
+    for place, where in re.findall(r"^\| (\d+) \| ([^|]*) \|", section.group(1), re.M):
+        places[int(place)] = {re.sub(r"(\.py|/)$", "", u) for u in re.findall(r"`([^`]+)`", where)}
+    return places
+
+
+def test_readme_table_places_every_unit() -> None:
+    want = {i: set(us) - {"__init__"} for i, us in enumerate(ORDER)}
+    assert table_places((ROOT / "README.md").read_text()) == want, \
+        "README.md's 'Where to read the code' table should list every unit of ORDER at its place"
 
 
 def test_checker_catches_injected_violations() -> None:
@@ -238,6 +257,6 @@ def test_checker_catches_injected_violations() -> None:
         "own modules and lower places"]
     assert cycles(edges) == [["high", "low", "high"]]
     assert placement_errors({module_key(p) for p in files}, order + [["low", "gone"]]) == [
-        "low is in ORDER 2 times", "hpctrain/unplaced has no place: add it to ORDER here and to README.md's "
-        "Layout paragraph", "ORDER names gone, which is no package or module of hpctrain"]
+        "low is in ORDER 2 times", "hpctrain/unplaced has no place: add it to ORDER here and to "
+        "docs/architecture.md's Layout paragraph", "ORDER names gone, which is no package or module of hpctrain"]
     assert render(order[:2]) == "0 `__init__`, `low`; 1 `sub`"

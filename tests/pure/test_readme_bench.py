@@ -1,9 +1,9 @@
-"""Pure tier: the benchmark verdict rule (benchmarks/_verdict.py) and the README table it feeds.
+"""Pure tier: the benchmark verdict rule (benchmarks/_verdict.py) and the table it feeds (benchmarks/README.md).
 
-The README's "Measured here" table must be exactly what benchmarks/results/*.json give, and every verdict record
-in those files must be what the rule gives for its own stored rounds: median, interval, met or NOT MET are
-recomputed here from the per-round values, so a hand-edited number, a best-of or a quietly changed estimator
-fails.
+benchmarks/README.md's "Measured here" table must be exactly what benchmarks/results/*.json give, and every
+verdict record in those files must be what the rule gives for its own stored rounds: median, interval, met or NOT
+MET are recomputed here from the per-round values, so a hand-edited number, a best-of or a quietly changed
+estimator fails.
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def test_every_stored_verdict_follows_the_rule() -> None:
 
 
 def test_readme_table_is_generated_from_the_results() -> None:
-    text = (REPO / "README.md").read_text()
+    text = readme_table.README.read_text()
+    assert readme_table.README == REPO / "benchmarks" / "README.md"
     assert readme_table.splice(text, readme_table.render(readme_table.load())) == text, \
-        "README.md's benchmark table differs from benchmarks/results/*.json: run `python benchmarks/readme_table.py`"
+        "benchmarks/README.md's table differs from benchmarks/results/*.json: run `python benchmarks/readme_table.py`"
