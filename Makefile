@@ -25,7 +25,7 @@ $(STAMP): setup.py setup.cfg hpctrain/install_guard.py
 	touch $(STAMP)
 
 test: install data/corpus.bin
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q $(TESTS) $(ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q --durations=30 $(TESTS) $(ARGS)
 
 submit: install data/corpus.bin
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/hpctrain submit $(CONFIG) --wait $(ARGS)
