@@ -109,11 +109,12 @@ def command(ends_launch_on_error: Callable, submit: Callable[..., Path]) -> clic
         rules = dict(zip(RULE_OPTIONS, (margin, storage_margin, expected_fraction, max_skew_ms)))
         # a bad rule is refused here, not in the job
         doctor_report.Rules.for_device("cuda" if cfg.job.gpus_per_node else "cpu", **rules)
-        if cfg.job.gpu:
+        if cfg.job.gpu or cfg.job.hw_profile:
             try:
-                doctor_report.expected_figures(cfg.job.gpu)
+                doctor_report.expected_figures(cfg.job.gpu, cfg.job.hw_profile)
             except ValueError as e:
-                raise ValueError(f"job.gpu = {cfg.job.gpu!r}: {e}") from None
+                key = "job.hw_profile" if cfg.job.hw_profile else "job.gpu"
+                raise ValueError(f"{key} = {cfg.job.hw_profile or cfg.job.gpu!r}: {e}") from None
         if here:
             rank, report = ranks(cfg, run_dir, doctor_mod.Options(rules=rules, storage_mb=storage_mb))
             if rank == 0:

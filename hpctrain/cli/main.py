@@ -251,8 +251,15 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @main.command()
 @CONFIG_ARG
 @SET_OPT
-@click.option("--gpu", default=None, help="Hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, h200, b200, "
-              "mi250x, mi300x, cpu); default: job.gpu, else cpu when job.gpus_per_node = 0, else h100-sxm.")
+@click.option("--gpu", default=None, help="Datasheet hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, h200, "
+              "b200, mi250x, mi300x); default: job.hw_profile, else job.gpu, else h100-sxm on a GPU job.")
+@click.option("--profile", "profile_file", default=None, type=click.Path(dir_okay=False),
+              help="A calibrated profile file (--calibrate's); default: job.hw_profile.")
+@click.option("--calibrate", is_flag=True, help="Measure this machine (the GEMM rate, and one-rank training steps "
+              "for the efficiency and the host's work) and write a profile to --out, for job.hw_profile; --bench "
+              "files add the link bandwidths. Takes a few minutes.")
+@click.option("-o", "--out", default="hw-profile.json", show_default=True, type=click.Path(dir_okay=False),
+              help="With --calibrate: the profile file to write.")
 @click.option("--hw", "figures", multiple=True, metavar="KEY=VALUE", help="Replace a figure of the profile "
               "(repeatable): memory_gb, intra_node_gbps, inter_node_gbps, gpus_per_node, peak_<dtype>.")
 @click.option("--bench", "bench_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -265,21 +272,36 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @click.option("--search", "do_search", is_flag=True, help="Evaluate every layout of the config's nodes x GPUs per "
               "node for its model and global batch; rank those that fit by predicted throughput.")
 @user_errors
-def plan(config: str, overrides: tuple[str, ...], gpu: str | None, figures: tuple[str, ...],
-         bench_files: tuple[str, ...], storage_gbps: float, node_mtbf_h: float | None, as_json: bool,
-         do_search: bool) -> None:
+def plan(config: str, overrides: tuple[str, ...], gpu: str | None, profile_file: str | None, calibrate: bool,
+         out: str, figures: tuple[str, ...], bench_files: tuple[str, ...], storage_gbps: float,
+         node_mtbf_h: float | None, as_json: bool, do_search: bool) -> None:
     """Predict what CONFIG's layout costs per GPU (memory, step time, throughput, MFU) and what its checkpoints
-    cost, before any GPU time is spent; --search ranks every layout instead."""
+    cost, before any GPU time is spent; --search ranks every layout instead; --calibrate measures this machine."""
     import json
 
     from hpctrain.planner import ckpt_cost, hardware, report, search
 
+    if calibrate:
+        from hpctrain.train import calibrate as calibration
+        try:
+            links = {k: v for f in bench_files for k, v in
+                     hardware.bandwidths_from_bench(f, world_is_one_node=True).items()}
+            hw = calibration.calibrate(links, echo=lambda line: click.echo(line, err=True))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        hardware.save_profile(hw, out)
+        click.echo(json.dumps(hardware.profile_json(hw), indent=1) if as_json else
+                   f"wrote {out}: {hw.source}; use it with job.hw_profile = {str(Path(out).absolute())!r}")
+        return
     cfg = _load(config, overrides)
-    name = gpu or cfg.job.gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "h100-sxm")
+    name = gpu or ("" if profile_file or cfg.job.hw_profile else cfg.job.gpu) or (
+        hardware.CPU if cfg.job.gpus_per_node == 0 else "h100-sxm")
     mtbf = node_mtbf_h or ckpt_cost.NODE_MTBF_H
     try:
         links = {k: v for f in bench_files for k, v in hardware.bandwidths_from_bench(f).items()}
-        hw = hardware.profile(name, links | hardware.parse_figures(figures))  # --hw wins over --bench
+        given = links | hardware.parse_figures(figures)  # --hw wins over --bench
+        calibrated = None if gpu else profile_file or cfg.job.hw_profile
+        hw = hardware.load_profile(calibrated, given) if calibrated else hardware.profile(name, given)
         out = report.evaluate(cfg, hw, storage_gbps, mtbf)
         if do_search:
             fit, why = search.search(cfg, hw, storage_gbps, mtbf, out["global_batch"])

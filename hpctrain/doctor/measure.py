@@ -264,7 +264,7 @@ def measure(s: session.Session, opts: Options, stop: Callable[[], bool] | None =
 def run(s: session.Session, opts: Options, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Measures and judges (every rank alike); rank 0 writes doctor.json into the run directory."""
     rules = doctor_report.Rules.for_device(s.device.type, **opts.rules)
-    expected = doctor_report.expected_figures(s.cfg.job.gpu) if s.cfg.job.gpu else None
+    expected = doctor_report.expected_figures(s.cfg.job.gpu, s.cfg.job.hw_profile) if s.cfg.job.gpu else None
     report = doctor_report.analyse(measure(s, opts, stop), rules, expected)
     s.summary["doctor"] = {k: report[k] for k in ("ok", "failed_nodes", "unattributed", "exclude")}
     if s.rank == 0:

@@ -29,16 +29,17 @@ from hpctrain.planner import hardware
 class Rules:
     """When a value fails. margin: below (1 - margin) x the median of its peers (GEMM, CPUs, bandwidth);
     storage_margin the same for write and read rates; expected_fraction: below this share of the planner's figure
-    for job.gpu (healthy GPUs reach 0.6-0.9 of the datasheet GEMM, an H100 here 0.81, and most of a link in a large
-    all-reduce; a throttled GPU or a network fallen back to TCP lands far below 0.4); max_skew_ms: a node's clock
-    further than this from rank 0's, round trip allowed for (NTP keeps nodes within milliseconds)."""
+    for job.gpu (a bound for a broken part, not a performance target: a throttled GPU or a network fallen back to
+    TCP lands far below the datasheet, a healthy one is expected well above 0.4); max_skew_ms: a node's clock
+    further than this from rank 0's, round trip allowed for (NTP keeps nodes within milliseconds). These are policy
+    defaults, each replaced by its `hpctrain doctor` option (--margin, --storage-margin, --expected-fraction,
+    --max-skew-ms)."""
     margin: float
     storage_margin: float = 0.5
     expected_fraction: float = 0.4
     max_skew_ms: float = 100.0
     # the latency-bound all-reduce judged against its peers too (GPUs); on CPUs it is shown, not judged: gloo's
-    # latency on loopback follows the scheduler of the shared cores, not the node (two healthy tp groups of one
-    # host measured 0.066 and 0.27 GB/s at 64 KiB, their 4 MiB figures within 15%)
+    # latency follows the scheduler of cores that ranks share with each other and the system, not the node
     judge_latency: bool = True
 
     def __post_init__(self) -> None:
@@ -51,22 +52,26 @@ class Rules:
 
     @staticmethod
     def for_device(device_type: str, **given: float | None) -> "Rules":
-        """Defaults per device, any of them replaced by a value given (None: default). GPUs of one model measure
-        within a few percent of each other (fixed clocks, no sharing), so a rank 20% below its peers is a sick
-        GPU. CPU ranks share cores with each other and the system: on this project's 2-core VM a lone 1-thread GEMM
-        swung 2-3x within seconds, and healthy ranks and groups measured down to 0.48 x their median while other
-        jobs ran, so there a value fails only below 0.4 x the median."""
+        """Defaults per device (policy), any of them replaced by a value given (None: default). GPUs of one model
+        run at fixed clocks with nothing shared, so a rank 20% below its peers is taken as a sick GPU. CPU ranks
+        share cores with each other and with the system, which moves their rates by large factors without any
+        fault, so there a value fails only below 0.4 x the median (--margin sets it for a site's own nodes)."""
         rules = {"margin": 0.2 if device_type == "cuda" else 0.6, "judge_latency": device_type == "cuda"} | {
             k: v for k, v in given.items() if v is not None}
         return Rules(**rules)
 
 
-def expected_figures(profile: str) -> dict[str, Any] | None:
-    """The planner's figures for a datasheet profile; None for a measured one (cpu: it drifts with the machine's
-    load, so only the median judges there). ValueError for an unknown name."""
-    hw = hardware.profile(profile)
-    if hw.measured:
+def expected_figures(profile: str, calibrated: str = "") -> dict[str, Any] | None:
+    """The planner's figures for a datasheet profile (job.gpu); None for a CPU, which has no datasheet, and for a
+    job with a calibrated profile (job.hw_profile, read and checked here): a calibration is one machine measured
+    once, so the job's own peers, through the median, are the better reference. ValueError for an unknown name or
+    a bad profile file."""
+    if calibrated:
+        hardware.load_profile(calibrated)
         return None
+    if profile == hardware.CPU:
+        return None
+    hw = hardware.profile(profile)
     dtype = "bf16" if "bf16" in hw.peak_tflops else max(hw.peak_tflops, key=hw.peak_tflops.get)
     return {"profile": hw.name, "gemm_tflops": hw.peak(dtype), "gemm_dtype": dtype,
             "intra_gbps": hw.intra_node_gbps, "inter_gbps": hw.inter_node_gbps}

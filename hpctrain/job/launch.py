@@ -253,21 +253,22 @@ def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
 
 
 def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) -> dict | None:
-    """Prints the planner's prediction (memory per GPU, checkpoint cost) of a training plan for job.gpu (cpu when
-    the job asks for no GPUs); ValueError when the layout cannot fit and memory_check is on. None when nothing is
-    predicted (no training, or GPUs of an unnamed kind)."""
+    """Prints the planner's prediction (memory per GPU, checkpoint cost) of a training plan for job.hw_profile (a
+    calibration) or job.gpu (a datasheet profile); ValueError when the layout cannot fit and memory_check is on.
+    None when nothing is predicted (no training, or no profile: a CPU has no datasheet, only a calibration)."""
     if not plan.training:
         return None
     from hpctrain.planner import ckpt_cost, hardware, report
 
-    name = cfg.job.gpu or ("cpu" if cfg.job.gpus_per_node == 0 else "")
-    if not name:
-        echo("planner: set job.gpu (e.g. h100-sxm) to check the layout's memory before submission")
-        return None
     try:
-        hw = hardware.profile(name)
+        hw = hardware.job_profile(cfg.job.gpu, cfg.job.hw_profile)
     except ValueError as e:
-        raise ValueError(f"job.gpu = {name!r}: {e}") from None
+        key = "job.hw_profile" if cfg.job.hw_profile else "job.gpu"
+        raise ValueError(f"{key} = {cfg.job.hw_profile or cfg.job.gpu!r}: {e}") from None
+    if hw is None:
+        echo("planner: " + ("no prediction: " + hardware.NO_DATASHEET if cfg.job.gpus_per_node == 0 else
+                            "set job.gpu (e.g. h100-sxm) to check the layout's memory before submission"))
+        return None
     out = report.evaluate(cfg, hw, storage_gbps=5.0, node_mtbf_h=ckpt_cost.NODE_MTBF_H, plan=plan)
     echo("planner: " + report.describe(out).replace("\n", "\nplanner: "))
     if not out["fits"] and memory_check:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.model.dims import ModelDims
+from hpctrain.parallel.recompute import recomputed_blocks
 
 # bytes per token per block: (h_sharded_by_sp, h_always_full, q, kv, heads, f, one) and per-weight bytes
 MODES = {
@@ -83,10 +84,9 @@ class ActivationModel:
 
     @staticmethod
     def checkpointed(blocks: int, ac: str, ac_every: int = 1) -> int:
-        """How many of `blocks` blocks keep only their input (train.ac, train.ac_every)."""
-        if ac == "full":
-            return blocks
-        return len(range(0, blocks, ac_every)) if ac == "every" else 0
+        """How many of `blocks` blocks keep only their input (train.ac, train.ac_every): the blocks the model
+        wrapper recomputes (hpctrain.parallel.recompute.recomputed_blocks)."""
+        return len(recomputed_blocks(blocks, ac, ac_every))
 
     def micro_batch_bytes(self, dims: ModelDims, tokens: int, blocks: int, ac: str = "none", ac_every: int = 1,
                           embedding: bool = True, head: bool = True) -> float:

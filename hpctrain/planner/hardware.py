@@ -5,11 +5,14 @@ parallelism and FSDP cross.
 
 GPU figures are vendor datasheet values, dense (a figure a datasheet gives only "with sparsity" is halved here);
 links are the per-direction bandwidth one GPU sees, which is what a ring collective's bus bandwidth approaches.
-They are ceilings, not achievable rates: the planner applies its own efficiency factors. The "cpu" profile is
-measured on the project's development machine (benchmarks/results). Anything can be changed per run:
+They are ceilings, not achievable rates: the planner applies its own efficiency factors. A CPU has no datasheet:
+its figures come from a calibration the user runs on the machine itself (`hpctrain plan --calibrate -o FILE`,
+hpctrain/train/calibrate.py), a profile file read back by load_profile and named by job.hw_profile. Anything can
+be changed per run:
 
     hw = profile("h100-sxm", {"inter_node_gbps": 25, "peak_bf16": 800})   # overrides, validated
     hw = profile("h100-sxm", bandwidths_from_bench("run/bench.jsonl"))     # links measured by `hpctrain bench`
+    hw = load_profile("cpu.json")                                           # a calibration of this machine
     hw.peak("bf16")                                                         # TFLOP/s per GPU
 
 Pure: imports nothing of hpctrain and no torch.
@@ -27,7 +30,11 @@ from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # "fp32": plain FP32 (no TF32); the others on tensor/matrix cores
 NUMBERS = ("memory_gb", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
-OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES)
+LINKS = ("intra_node_gbps", "inter_node_gbps")  # unknown (None) on a calibration made without `hpctrain bench`
+# what a calibration measures besides the peak (hpctrain/train/calibrate.py); None: not calibrated
+CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s")
+OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES) + CALIBRATED
+CPU = "cpu"  # the name a CPU job's profile goes by: there is no datasheet for it, only a calibration
 
 
 def _positive(value: Any) -> bool:
@@ -39,11 +46,19 @@ class Hardware:
     name: str
     peak_tflops: Mapping[str, float]  # dense TFLOP/s per GPU, per matmul input dtype (DTYPES); absent: not offered
     memory_gb: float  # HBM per GPU as sold (GB)
-    intra_node_gbps: float  # per GPU, per direction, inside a node (GB/s)
-    inter_node_gbps: float  # per GPU, per direction, between nodes (GB/s)
-    gpus_per_node: int
+    intra_node_gbps: float | None  # per GPU, per direction, inside a node (GB/s); None: unknown (calibrations)
+    inter_node_gbps: float | None  # per GPU, per direction, between nodes (GB/s); None: unknown (calibrations)
+    gpus_per_node: int  # GPUs, or a CPU's cores (one rank per core)
     source: str  # where the figures come from
-    measured: bool = False  # figures measured on a machine rather than taken from datasheets
+    measured: bool = False  # figures measured on a machine (a calibration) rather than taken from datasheets
+    # A calibration's figures for the time model (planner/timing.estimate); None on datasheet profiles, whose
+    # efficiency is timing.EFFICIENCY and whose host work overlaps the kernels. efficiency: the share of the measured
+    # GEMM rate a training step's compute reaches; host_*_s: seconds of the host's own work per block and
+    # micro-batch (plain, and under tensor parallel) and per step.
+    efficiency: float | None = None
+    host_block_s: float | None = None
+    host_tp_block_s: float | None = None
+    host_step_s: float | None = None
 
     def __post_init__(self) -> None:
         peaks = dict(self.peak_tflops)
@@ -52,8 +67,18 @@ class Hardware:
             raise ValueError(f"{self.name}: peak_tflops needs positive numbers for dtypes among {', '.join(DTYPES)}"
                              f" (got {', '.join(bad) or 'none'})")
         for key in NUMBERS:
+            if key in LINKS and self.measured and getattr(self, key) is None:
+                continue
             if not _positive(getattr(self, key)):
                 raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be a positive finite number")
+        for key in CALIBRATED:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
+                    value <= 0 if key == "efficiency" else value < 0) or (key == "efficiency" and value > 1):
+                rule = "in (0, 1]" if key == "efficiency" else "a finite number of seconds >= 0"
+                raise ValueError(f"{self.name}: {key}={value!r} must be {rule}")
         if not isinstance(self.gpus_per_node, int):
             raise ValueError(f"{self.name}: gpus_per_node={self.gpus_per_node!r} must be a whole number")
         object.__setattr__(self, "peak_tflops", MappingProxyType(peaks))  # profiles are shared: read-only
@@ -72,6 +97,8 @@ class Hardware:
             raise ValueError(f"{self.name}: unknown override(s) {', '.join(map(repr, unknown))}; valid: "
                              f"{', '.join(OVERRIDABLE)}")
         for key, value in fields.items():
+            if key in CALIBRATED:
+                continue  # checked by __post_init__ on the copy
             if not _positive(value) or (key == "gpus_per_node" and not isinstance(value, int)):
                 kind = "a positive whole number" if key == "gpus_per_node" else "a positive finite number"
                 raise ValueError(f"{self.name}: override {key}={value!r} must be {kind}")
@@ -79,21 +106,36 @@ class Hardware:
             return self  # frozen: sharing is safe
         peaks = dict(self.peak_tflops)
         peaks.update({k.removeprefix("peak_"): float(v) for k, v in fields.items() if k.startswith("peak_")})
-        numbers = {k: v for k, v in fields.items() if k in NUMBERS}
+        numbers = {k: v for k, v in fields.items() if k in NUMBERS or k in CALIBRATED}
         said = ", ".join(f"{k}={v}" for k, v in fields.items())
         return dataclasses.replace(self, peak_tflops=peaks, source=f"{self.source}; overridden: {said}", **numbers)
 
 
-# Dense peaks copied from hpctrain.train.metrics.DATASHEET_TFLOPS (which imports torch, so it is not imported here); the
-# tests check both tables agree. A part a dtype is missing from does not have it.
-A100 = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}  # A100 datasheet, SXM (40 GB and 80 GB equal)
-H100_SXM = {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2}  # H100 datasheet
-# H100 datasheet, H100 PCIe column: tensor figures given with sparsity (756 / 1513 / 3026), halved
-H100_PCIE = {"fp32": 51.0, "tf32": 756 / 2, "bf16": 1513 / 2, "fp16": 1513 / 2, "fp8": 3026 / 2}
-H200 = dict(H100_SXM)  # H200 SXM: the same GH100 tensor cores and clocks as H100 SXM (sources below)
-B200 = {"fp32": 75.0, "tf32": 2200 / 2, "bf16": 4500 / 2, "fp16": 4500 / 2, "fp8": 9000 / 2}  # HGX B200, halved
-MI250X = {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2}  # MI250X datasheet, per GCD (package / 2)
-MI300X = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}  # ROCm MI300 peak table, dense
+# The one datasheet table: dense peaks (no structured sparsity) per part in TFLOP/s, per dtype of the matmul
+# inputs; "fp32" is the plain FP32 rate (no TF32), which fp32 matmuls run at when TF32 is off. Where a datasheet
+# gives only figures "with sparsity" they are halved here; a dtype a part lacks is left out. The profiles below and
+# the trainer's MFU (hpctrain.train.metrics, which matches torch's device names to these parts) both read it.
+# Sources and dates: the "Sources" paragraph below.
+DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
+    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense figures; the 40 GB SXM part's are equal)
+    "NVIDIA A100 SXM": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor figures given with sparsity: halved)
+    "NVIDIA H100 SXM": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
+    # the same datasheet, H100 PCIe column: tensor figures given with sparsity (756 / 1513 / 3026), halved
+    "NVIDIA H100 PCIe": {"fp32": 51.0, "tf32": 756 / 2, "bf16": 1513 / 2, "fp16": 1513 / 2, "fp8": 3026 / 2},
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (with sparsity: halved); the same GH100 tensor cores
+    # and clocks as H100 SXM
+    "NVIDIA H200": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
+    # NVIDIA Blackwell datasheet (GB200 NVL72 / HGX B200), per-GPU HGX B200 column (tensor figures with sparsity:
+    # halved; FP32 as given)
+    "NVIDIA B200": {"fp32": 75.0, "tf32": 2200 / 2, "bf16": 4500 / 2, "fp16": 4500 / 2, "fp8": 9000 / 2},
+    # AMD Instinct MI250X accelerator datasheet: figures for the package of two GCDs; torch sees each GCD as one
+    # device, so halved. fp32 is the FP32 matrix rate; CDNA2 has no TF32 and no FP8.
+    "AMD Instinct MI250X": {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2},
+    # AMD Instinct MI300X (ROCm MI300 peak table, dense; fp32 is the FP32 matrix rate)
+    "AMD Instinct MI300X": {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
+}
+_DS = DATASHEET_TFLOPS
 
 # Links, per GPU and per direction (datasheets quote NVLink/xGMI as both directions added: halved here):
 #   NVLink 3 (A100 SXM) 600 GB/s total -> 300; NVLink 4 (H100/H200 SXM) 900 -> 450; NVLink 5 (B200) 1.8 TB/s -> 900.
@@ -146,34 +188,35 @@ MI300X = {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2
 #     disagree); value from the AMD MI300X datasheet as remembered.
 _NV = "NVIDIA"
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
-    Hardware("a100-40g", A100, 40, 300, 25, 8, f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU"),
-    Hardware("a100-80g", A100, 80, 300, 25, 8, f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU"),
-    Hardware("h100-sxm", H100_SXM, 80, 450, 50, 8, f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU"),
-    Hardware("h100-pcie", H100_PCIE, 80, 64, 50, 8, f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s"),
-    Hardware("h200", H200, 141, 450, 50, 8, f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU"),
+    Hardware("a100-40g", _DS["NVIDIA A100 SXM"], 40, 300, 25, 8,
+             f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU"),
+    Hardware("a100-80g", _DS["NVIDIA A100 SXM"], 80, 300, 25, 8,
+             f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU"),
+    Hardware("h100-sxm", _DS["NVIDIA H100 SXM"], 80, 450, 50, 8,
+             f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU"),
+    Hardware("h100-pcie", _DS["NVIDIA H100 PCIe"], 80, 64, 50, 8,
+             f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s"),
+    Hardware("h200", _DS["NVIDIA H200"], 141, 450, 50, 8,
+             f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU"),
     # Blackwell datasheet HGX B200 column: 180 GB per GPU; DGX B200: 8 x ConnectX-7 400 Gb/s (sources above)
-    Hardware("b200", B200, 180, 900, 50, 8, f"{_NV} Blackwell datasheet (HGX B200); DGX BasePOD RA; NVLink 5"),
+    Hardware("b200", _DS["NVIDIA B200"], 180, 900, 50, 8,
+             f"{_NV} Blackwell datasheet (HGX B200); DGX BasePOD RA; NVLink 5"),
     # 128 GB per package, 64 GB per GCD; 8 GCDs (4 packages) per node
-    Hardware("mi250x", MI250X, 64, 50, 12.5, 8, "AMD Instinct MI250X datasheet, per GCD; ROCm MI250 "
-             "microarchitecture (xGMI); HPE Cray EX node (Slingshot 200 Gb/s per package)"),
-    Hardware("mi300x", MI300X, 192, 448, 50, 8, "ROCm MI300 microarchitecture; 8-GPU xGMI; 400 Gb/s/GPU"),
-    # This machine, 2 cores, 24 GB. Peak: the fp32 GEMM probe (hpctrain/bench/gemm.py, n=1024, 2 threads), best of
-    # 24 rounds in benchmarks/results/train_overhead.json: 0.194 TFLOP/s (median 0.067: the machine is shared).
-    # Links: `hpctrain bench` all_reduce over gloo, world group of 4 ranks on this host (as the tiny-cpu example
-    # runs: 2 simulated nodes x 2 ranks), largest size 16 MiB: busbw 0.58 GB/s (benchmarks/results/bench-4ranks.jsonl).
-    # Every "node" is on this host, so inter-node is the same loopback figure. No bf16 rate was measured.
-    # The planner reads this profile as one host that runs every rank of a job (local runs and the local Slurm
-    # cluster's nodes alike): the peak is the host's, shared by the ranks, and gpus_per_node is its 2 cores
-    # (planner/report.time_estimate). A quiet one-thread probe gives 0.09-0.10, half of it, as the test
-    # tests/multiproc/test_planner_cpu_time.py measures round by round.
-    Hardware("cpu", {"fp32": 0.194}, 24, 0.58, 0.58, 2, "measured here: GEMM probe in "
-             "benchmarks/results/train_overhead.json; gloo all_reduce busbw in benchmarks/results/bench-4ranks.jsonl",
-             measured=True),
+    Hardware("mi250x", _DS["AMD Instinct MI250X"], 64, 50, 12.5, 8, "AMD Instinct MI250X datasheet, per GCD; ROCm "
+             "MI250 microarchitecture (xGMI); HPE Cray EX node (Slingshot 200 Gb/s per package)"),
+    Hardware("mi300x", _DS["AMD Instinct MI300X"], 192, 448, 50, 8,
+             "ROCm MI300 microarchitecture; 8-GPU xGMI; 400 Gb/s/GPU"),
 )}
+
+
+NO_DATASHEET = ("a CPU has no datasheet figures: calibrate the machine the job runs on with `hpctrain plan "
+                "--calibrate -o FILE` and name FILE in job.hw_profile (or `hpctrain plan --profile FILE`)")
 
 
 def profile(name: str, overrides: Mapping[str, Any] | None = None) -> Hardware:
     """The profile called `name`, with `overrides` (keys of OVERRIDABLE, positive numbers) applied."""
+    if name == CPU:
+        raise ValueError(f"hardware profile {name!r}: {NO_DATASHEET}")
     if name not in PROFILES:
         raise ValueError(f"unknown hardware profile {name!r}; valid: {', '.join(PROFILES)}")
     table = isinstance(overrides, Mapping) and all(isinstance(k, str) for k in overrides)
@@ -258,3 +301,60 @@ def parse_figures(items: Sequence[str]) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"--hw {item!r}: {text!r} is not a number") from None
     return out
+
+
+PROFILE_FORMAT = "hpctrain hardware profile 1"  # the "format" key of a profile file
+MAX_PROFILE_BYTES = 1 << 16  # a profile file is a few hundred bytes
+
+
+def profile_json(hw: Hardware) -> dict[str, Any]:
+    """What save_profile writes and load_profile reads: every figure of hw (None where unknown)."""
+    out = {"format": PROFILE_FORMAT} | {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)}
+    return out | {"peak_tflops": dict(hw.peak_tflops)}
+
+
+def save_profile(hw: Hardware, path: str | Path) -> None:
+    import json
+    Path(path).write_text(json.dumps(profile_json(hw), indent=1) + "\n")
+
+
+def load_profile(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Hardware:
+    """A profile file (save_profile's JSON, as `hpctrain plan --calibrate` writes it), with overrides applied.
+    Untrusted: parsed as bounded JSON (hpctrain.untrusted); every key checked by Hardware itself; a ValueError
+    names the file and the offending key."""
+    path = Path(path)
+    try:
+        raw = parse_json(read_bytes(path, MAX_PROFILE_BYTES), str(path))
+    except (Untrusted, OSError) as e:
+        raise ValueError(f"{path}: not a hardware profile file ({e})") from None
+    if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT:
+        got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"{path}: format {got!r} is not {PROFILE_FORMAT!r} (write one with `hpctrain plan "
+                         f"--calibrate -o {path}`)")
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(raw) - fields - {"format"})
+    missing = sorted(f for f in ("name", "peak_tflops", "memory_gb", "gpus_per_node", "source") if f not in raw)
+    if unknown or missing:
+        raise ValueError(f"{path}: unknown key(s) {unknown} / missing key(s) {missing}")
+    if not isinstance(raw["peak_tflops"], dict) or not isinstance(raw["name"], str) or not isinstance(
+            raw["source"], str):
+        raise ValueError(f"{path}: name and source must be strings, peak_tflops a table")
+    raw = {k: v for k, v in raw.items() if k != "format"}
+    raw.setdefault("intra_node_gbps", None)
+    raw.setdefault("inter_node_gbps", None)
+    try:
+        hw = Hardware(**raw | {"measured": True})
+        return hw.with_overrides(**dict(overrides or {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def job_profile(gpu: str, hw_profile: str) -> Hardware | None:
+    """The profile a job's layout is judged on: job.hw_profile's calibration when set, else job.gpu's datasheet
+    profile; None when neither is set (a CPU job without a calibration: a CPU has no datasheet; the caller says so).
+    ValueError for an unknown name (job.gpu = "cpu" included: NO_DATASHEET) or a bad file."""
+    if hw_profile:
+        return load_profile(hw_profile)
+    if gpu:
+        return profile(gpu)
+    return None

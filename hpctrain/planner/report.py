@@ -57,13 +57,18 @@ def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, in
 def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                   peak_per_rank: bool = False) -> timing.TimeEstimate:
     """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel; FSDP accumulates
-    whole gradients and reduce-scatters once per step (parallel/data.py). A measured (CPU)
+    whole gradients and reduce-scatters once per step (parallel/data.py). A measured (calibrated CPU)
     profile is one host that runs every rank of the job (a local run, or the local Slurm cluster's nodes): its
     GEMM rate is the host's, shared by the ranks, and more ranks than cores slow the host's own work as much, unless
     peak_per_rank (a rate each rank measured with the others computing, one rank per core); it takes the
-    calibrated efficiency and, unless host=False, the host's per-block and per-step work."""
+    calibrated efficiency and, unless host=False, the host's per-block and per-step work (Hardware.host_*_s)."""
     p, t, lay = cfg.parallel, cfg.train, plan.layout
-    cpu = dict(timing.CPU_HOST_S) if hw.measured and host else {"block": 0.0, "tp_block": 0.0, "step": 0.0}
+    cpu = {"block": 0.0, "tp_block": 0.0, "step": 0.0}
+    if hw.measured and host:
+        if lay.tp > 1 and hw.host_tp_block_s is None:
+            raise ValueError(f"{hw.name}: the host's work per tensor-parallel block is not calibrated (tp = "
+                             f"{lay.tp}); give --hw host_tp_block_s=SECONDS, or plan with tp = 1")
+        cpu = {"block": hw.host_block_s or 0.0, "tp_block": hw.host_tp_block_s or 0.0, "step": hw.host_step_s or 0.0}
     if hw.measured and not peak_per_rank:
         hw = hw.with_overrides(**{f"peak_{d}": v / lay.world_size for d, v in hw.peak_tflops.items()})
         crowd = max(1.0, lay.world_size / hw.gpus_per_node)  # ranks per core (gpus_per_node: the host's cores)
@@ -77,7 +82,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            accumulate_unsharded=True,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, tp_projections="separate",
-                           efficiency=timing.MEASURED_EFFICIENCY if hw.measured else None,
+                           efficiency=hw.efficiency,
                            host_block_s=cpu["tp_block" if lay.tp > 1 else "block"], host_step_s=cpu["step"])
 
 
@@ -124,7 +129,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
 def describe(out: dict[str, Any]) -> str:
     """A few lines for a terminal."""
     lay, st, ck = out["layout"], out["model_states_gb"], out["checkpoint"]
-    device = "ranks (one host)" if out["gpu"] == "cpu" else "GPUs"
+    device = "ranks (one host)" if out["gpu"] == "cpu" else "GPUs"  # a CPU calibration's name
     lines = [f"layout pp={lay['pp']} dp={lay['dp']} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
              f"{out['gpu']} {device}; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
              f"{out['global_batch']} (micro {out['micro_batch']})",

@@ -38,9 +38,9 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
 - pipeline point-to-point: per micro-batch and virtual stage one send forward and one backward of b s d / t bytes
   (Megatron's scatter-gather, or sequence parallel shards), on the NIC when a stage fills a node.
 - host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
-  GPUs; CPU_HOST_S on the measured CPU profile).
+  GPUs; a CPU calibration's Hardware.host_*_s).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
-optimistic on datasheet profiles. Not modelled: the optimizer step (apart from CPU_HOST_S), data loading,
+optimistic on datasheet profiles. Not modelled: the optimizer step (apart from a CPU's host terms), data loading,
 collectives slowing concurrent GEMMs, kernel launch gaps, stragglers, network congestion. fp8 takes the fp8 peak
 for every GEMM (an upper bound: recipes keep some in bf16) and communicates in bf16.
 """
@@ -50,6 +50,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hpctrain.parallel.recompute import recomputed_blocks
 from hpctrain.planner.hardware import Hardware
 
 # EFFICIENCY: the achievable share of the dense peak in a training step's compute, i.e. the GEMMs plus the memory-
@@ -58,18 +59,8 @@ from hpctrain.planner.hardware import Hardware
 # tests/data/published_runs.json (the geometric mean of the efficiency each row needs under this model; the test
 # re-derives it) and validated on the H100 rows, which did not influence it. It is lower than what one large GEMM
 # reaches because the step's other kernels are memory-bound. Not validated on AMD parts or on CPU (whose "peak" is
-# already a measured GEMM rate: pass efficiency= there).
+# already a measured GEMM rate: a calibration measures its own, Hardware.efficiency).
 EFFICIENCY = 0.54
-# On a measured profile (the "cpu" one: its peak is this machine's GEMM probe, so the GEMMs themselves need no
-# discount) the efficiency covers only the rest of the compute: attention, norms, rotary, SwiGLU. Calibrated on
-# one-rank runs of two model shapes that tests/multiproc/test_planner_cpu_time.py does not validate (its
-# `calibrate_efficiency`; three runs gave 0.866, 0.854, 0.853).
-MEASURED_EFFICIENCY = 0.86
-# A CPU also runs the host's work (autograd, op dispatch, DTensor's wrapping under tensor parallel, the trainer),
-# which a GPU's host overlaps with the kernels: seconds per block and micro-batch (plain, or tensor parallel) and
-# per step, measured on this machine with a model too small for its compute to count (the same file's
-# `calibrate_host`; two runs gave block 1.27/1.45 ms, tp_block 10.9/15.6 ms, step 3.4/3.1 ms).
-CPU_HOST_S = {"block": 0.00135, "tp_block": 0.013, "step": 0.0033}
 MATMUL_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8": "fp8"}  # precision -> dtype of its GEMMs
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # activations and gathered parameters (fp8: bf16 comm)
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
@@ -116,12 +107,14 @@ def flops_per_token(n_layers: int, dim: int, ffn_dim: int, n_heads: int, n_kv_he
 
 
 def recomputed_share(n_layers: int, recompute: str, ac_every: int = 2) -> float:
-    """Share of the blocks whose whole forward runs twice: 1 for "full", ceil(L / k) / L for "every" (k = ac_every)."""
+    """Share of the blocks whose whole forward runs twice: those hpctrain.parallel.recompute.recomputed_blocks names
+    (all for "full", ceil(L / k) of L for "every", k = ac_every), over L."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute = {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if ac_every < 1:
         raise ValueError(f"ac_every = {ac_every} must be >= 1")
-    return {"full": 1.0, "every": math.ceil(n_layers / ac_every) / n_layers}.get(recompute, 0.0)
+    whole = recompute if recompute in ("full", "every") else "none"  # "selective" recomputes no whole block
+    return len(recomputed_blocks(n_layers, whole, ac_every)) / n_layers
 
 
 def block_flops(shape: Shape, seq_len: int, recompute: str = "none", ac_every: int = 2) -> float:
@@ -171,7 +164,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, accumulate_unsharded: bool = False) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
-    host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see CPU_HOST_S), per
+    host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
     gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel)."""
     if precision not in MATMUL_DTYPE:
@@ -192,7 +185,11 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     v = virtual_stages if pp > 1 else 1
     tokens = global_batch * seq_len / dp  # per pipeline replica
     act, gpn = ACT_BYTES[precision], hw.gpus_per_node
-    intra, inter = hw.intra_node_gbps * 1e9, hw.inter_node_gbps * 1e9
+    if max(tp, pp, dp) > 1 and None in (hw.intra_node_gbps, hw.inter_node_gbps):
+        raise ValueError(f"{hw.name}: the link bandwidths are unknown, and tp={tp} pp={pp} dp={dp} communicates: "
+                         "calibrate with `hpctrain plan --calibrate --bench bench.jsonl` (an `hpctrain bench "
+                         "all_reduce` run on the machine) or give --hw intra_node_gbps=... inter_node_gbps=...")
+    intra, inter = (hw.intra_node_gbps or 0) * 1e9, (hw.inter_node_gbps or 0) * 1e9
 
     blocks = math.ceil(shape.n_layers / (pp * v)) * v  # on the busiest stage
     head = 6.0 * shape.vocab * shape.dim

@@ -26,32 +26,14 @@ import torch
 
 from hpctrain.bench.gemm import measure_gemm, probe_size
 from hpctrain.hang.stragglers import describe
+from hpctrain.planner.hardware import DATASHEET_TFLOPS
 
 log = logging.getLogger(__name__)
 
-# Dense tensor-core peaks per device in TFLOP/s (no structured sparsity), per dtype of the matmul inputs; "fp32" is
-# the plain FP32 rate (no TF32), which fp32 matmuls run at when TF32 is off. Where a datasheet gives only figures
-# "with sparsity" they are halved here; a dtype a part lacks is left out (MFU then falls back, labelled).
-DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
-    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense figures; the 40 GB SXM part's are equal)
-    "NVIDIA A100 SXM": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (tensor figures given with sparsity: halved)
-    "NVIDIA H100 SXM": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
-    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (with sparsity: halved)
-    "NVIDIA H200": {"fp32": 67.0, "tf32": 989 / 2, "bf16": 1979 / 2, "fp16": 1979 / 2, "fp8": 3958 / 2},
-    # NVIDIA Blackwell datasheet (GB200 NVL72 / HGX B200), per-GPU HGX B200 column (tensor figures with sparsity:
-    # halved; FP32 as given)
-    "NVIDIA B200": {"fp32": 75.0, "tf32": 2200 / 2, "bf16": 4500 / 2, "fp16": 4500 / 2, "fp8": 9000 / 2},
-    # AMD Instinct MI250X accelerator datasheet: figures for the package of two GCDs; torch sees each GCD as one
-    # device, so halved. fp32 is the FP32 matrix rate; CDNA2 has no TF32 and no FP8.
-    "AMD Instinct MI250X": {"fp32": 95.7 / 2, "bf16": 383.0 / 2, "fp16": 383.0 / 2},
-    # AMD Instinct MI300X accelerator datasheet (dense figures; fp32 is the FP32 matrix rate)
-    "AMD Instinct MI300X": {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
-}
-
 # torch.cuda.get_device_name -> DATASHEET_TFLOPS key; the first match wins. Parts with lower peaks under a similar
 # name are not matched on purpose (A100 PCIe, H100 PCIe / NVL / "80GB HBM2e", H200 NVL, GB200), nor is ROCm's
-# "MI250X/MI250", shared by two parts 6% apart: they fall back, labelled.
+# "MI250X/MI250", shared by two parts 6% apart: they fall back, labelled. (The table's H100 PCIe row is for the
+# planner's h100-pcie profile; its device names stay unmatched, as the other lower-peak parts.)
 DEVICE_NAMES: tuple[tuple[str, str], ...] = (
     (r"A100-SXM", "NVIDIA A100 SXM"),  # "NVIDIA A100-SXM4-80GB"
     (r"H100 80GB HBM3\b|H100 SXM", "NVIDIA H100 SXM"),  # the SXM5 part reports "NVIDIA H100 80GB HBM3"

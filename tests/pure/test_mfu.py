@@ -70,7 +70,7 @@ def test_table_is_dense_and_consistent() -> None:
             assert row["fp8"] == pytest.approx(2 * row["bf16"], rel=0.05), part
         assert row.get("fp32", 0) < row.get("tf32", row["bf16"]), part
         assert set(row) <= {"fp32", "tf32", "bf16", "fp16", "fp8"}, part
-    assert {p for _, p in metrics.DEVICE_NAMES} == set(DATASHEET_TFLOPS)
+    assert {p for _, p in metrics.DEVICE_NAMES} <= set(DATASHEET_TFLOPS)  # H100 PCIe: in the table, unmatched
 
 
 def test_device_name_asks_cuda_for_gpus_only(monkeypatch) -> None:

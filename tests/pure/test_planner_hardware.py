@@ -19,12 +19,12 @@ from hpctrain.bench.sweep import Row, bandwidths
 from hpctrain.planner import hardware
 from hpctrain.planner.hardware import DTYPES, OVERRIDABLE, PROFILES, bandwidths_from_bench, profile
 
-NAMES = ["a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi250x", "mi300x", "cpu"]
-GPUS = [n for n in NAMES if n != "cpu"]
-# profile -> the metrics.DATASHEET_TFLOPS part with the same silicon and clocks
+NAMES = ["a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi250x", "mi300x"]
+GPUS = NAMES
+# profile -> the DATASHEET_TFLOPS part with the same silicon and clocks
 SAME_PART = {"a100-40g": "NVIDIA A100 SXM", "a100-80g": "NVIDIA A100 SXM", "h100-sxm": "NVIDIA H100 SXM",
-             "h200": "NVIDIA H200", "b200": "NVIDIA B200", "mi250x": "AMD Instinct MI250X",
-             "mi300x": "AMD Instinct MI300X"}
+             "h100-pcie": "NVIDIA H100 PCIe", "h200": "NVIDIA H200", "b200": "NVIDIA B200",
+             "mi250x": "AMD Instinct MI250X", "mi300x": "AMD Instinct MI300X"}
 
 
 def test_exactly_the_issue_profiles():
@@ -42,7 +42,7 @@ def test_profile_complete_and_positive(name):
     assert hw.source.strip()
     assert hw.peak("fp32") == hw.peak_tflops["fp32"]  # every part has plain FP32
     assert hw.intra_node_gbps >= hw.inter_node_gbps  # the node's fabric is never slower than its network
-    assert hw.measured == (name == "cpu")
+    assert not hw.measured and hw.efficiency is None and hw.host_block_s is None  # datasheet figures only
 
 
 @pytest.mark.parametrize("name", GPUS)
@@ -56,11 +56,13 @@ def test_gpu_tensor_peaks_above_fp32(name):
     assert hw.gpus_per_node == 8
 
 
-def test_peaks_equal_metrics_datasheet_table():
-    from hpctrain.train.metrics import DATASHEET_TFLOPS  # imports torch: only here, never in the planner
-    assert set(SAME_PART.values()) == set(DATASHEET_TFLOPS)  # every part the trainer knows has a profile
+def test_one_datasheet_table_for_planner_and_trainer():
+    """The profiles' peaks and the trainer's MFU read the same table object (no copy to drift)."""
+    from hpctrain.train import metrics  # imports torch: only here, never in the planner
+    assert metrics.DATASHEET_TFLOPS is hardware.DATASHEET_TFLOPS
+    assert set(SAME_PART.values()) == set(hardware.DATASHEET_TFLOPS)  # every part of the table has a profile
     for name, part in SAME_PART.items():
-        assert dict(PROFILES[name].peak_tflops) == DATASHEET_TFLOPS[part], name
+        assert dict(PROFILES[name].peak_tflops) == hardware.DATASHEET_TFLOPS[part], name
 
 
 def test_planner_imports_without_torch():
@@ -100,24 +102,19 @@ def test_figures_match_cited_sources(name):
     assert "fp8" not in hw.peak_tflops if fp8 is None else hw.peak("fp8") == pytest.approx(fp8)
 
 
-def test_cpu_links_are_the_bench_results_here():
-    """The cpu profile's links are the 16 MiB gloo all_reduce of benchmarks/results/bench-4ranks.jsonl (4 ranks,
-    one host: the world group is the intra group)."""
-    got = bandwidths_from_bench(REPO / "benchmarks/results/bench-4ranks.jsonl", world_is_one_node=True)
-    assert round(got["intra_node_gbps"], 2) == PROFILES["cpu"].intra_node_gbps == PROFILES["cpu"].inter_node_gbps
-    result = json.loads((REPO / "benchmarks/results/train_overhead.json").read_text())
-    assert round(result["gemm_tflops_best"], 3) == PROFILES["cpu"].peak("fp32")
+def test_cpu_has_no_built_in_figures():
+    """A CPU has no datasheet: asking for the cpu profile says how to calibrate instead of using our machine's."""
+    with pytest.raises(ValueError, match=r"'cpu': a CPU has no datasheet figures: calibrate .*--calibrate"):
+        profile("cpu")
 
 
 def test_peak_error_names_part_and_dtypes():
     with pytest.raises(ValueError, match=r"mi250x has no 'tf32' peak; it has fp32, bf16, fp16"):
         PROFILES["mi250x"].peak("tf32")
-    with pytest.raises(ValueError, match=r"cpu has no 'bf16' peak; it has fp32"):
-        PROFILES["cpu"].peak("bf16")
 
 
 def test_unknown_profile_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown hardware profile 'h100'; valid: a100-40g, .*mi300x, cpu"):
+    with pytest.raises(ValueError, match=r"unknown hardware profile 'h100'; valid: a100-40g, .*mi300x"):
         profile("h100")
 
 
