@@ -58,8 +58,8 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
 _MAX_TOKENIZER_BYTES = 64 << 20
 # The tokenizers library holds a few hundred bytes per character of a string while it encodes it (a property of
-# the library, not of a machine: about +350 MB for a 1 Mi-character line of English): pieces, and batches, of at most 1 Mi characters keep an encoding
-# process near 400 MB however long a document or a line is.
+# the library, not of a machine: about +350 MB for a 1 Mi-character line of English): pieces, and batches, of at
+# most 1 Mi characters keep an encoding process near 400 MB however long a document or a line is.
 MAX_PIECE_CHARS = 1 << 20
 BATCH_PIECES = 256
 MAX_LINE_MIB = 16  # default bound of one JSON line (--max-line-mib)
