@@ -108,8 +108,8 @@ def test_train_step_leaves_its_metrics_on_the_device(tmp_path, monkeypatch) -> N
         reads = host_reads(monkeypatch)
         rows = [tr.train_step(sync=False) for _ in range(4)]
         monkeypatch.undo()
-    # foreach AdamW cannot skip on the device: its finiteness check is the one read, documented in _optimizer_step
-    assert reads == ["trainer.py:_optimizer_step"] * 4
+    # foreach AdamW cannot skip on the device: its finiteness check is the one read, documented in optim.step_or_skip
+    assert reads == ["optim.py:step_or_skip"] * 4
     assert all(isinstance(r["loss"], torch.Tensor) and isinstance(r["grad_norm"], torch.Tensor) for r in rows)
     assert [host_values(r)["loss"] for r in rows] == want  # the same numbers, read late
 
