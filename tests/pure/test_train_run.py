@@ -186,3 +186,24 @@ def test_untimed_pipeline_step_takes_no_barrier_and_no_time(monkeypatch) -> None
     pipe.step(torch.zeros(1), torch.zeros(1))
     t = pipe.timing()
     assert barriers == [None, None] and seen == [False, True] and t["steps"] == 1 and 0 < t["busy_s"] <= t["wall_s"]
+
+
+# --- the watchdog's one owner -----------------------------------------------------------------------------------
+
+def test_the_session_configures_the_watchdog_whole(tmp_path, monkeypatch) -> None:
+    """session.start makes the watchdog with everything it does, the hang requeue of a payload that resumes
+    included; the trainer only moves the heartbeat (begin_training: where its first step, with the long limit, is)."""
+    from hpctrain.job import requeue
+
+    cfg = load_config(None, STEP_CASE + [f"job.run_root={tmp_path}", "parallel.hang_timeout_s=60",
+                                         "job.hang_requeues=2"])
+    with session.start(cfg, resumes=True) as s:
+        end = s.watchdog.on_end
+        assert (end.func, end.args) == (requeue.after_hang, (s.run_dir, 2, 1))
+        Trainer(cfg, s).fit()
+        assert s.heartbeat.first_step == 1 and s.heartbeat.step == 6
+    with session.start(cfg) as s:  # benchmarks, the doctor: a hang just ends them
+        assert s.watchdog is not None and s.watchdog.on_end is None
+    with session.start(load_config(None, STEP_CASE + [f"job.run_root={tmp_path}", "job.hang_requeues=0"]),
+                       resumes=True) as s:
+        assert s.watchdog.on_end is None

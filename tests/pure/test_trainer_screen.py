@@ -32,3 +32,11 @@ def test_trainer_class_fits_on_one_screen() -> None:
 def test_class_lines_counts_the_whole_class() -> None:
     source = "x = 1\n\n@dec\nclass A:\n    '''doc'''\n\n    def f(self):\n        return 1\n\nclass B:\n    pass\n"
     assert class_lines(source, "A") == 6 and class_lines(source, "B") == 2
+
+
+def test_training_never_configures_the_watchdog() -> None:
+    """The session owns the watchdog (hpctrain/job/session.py): training code reports progress through the
+    heartbeat and names no watchdog."""
+    for path in sorted((REPO / "hpctrain" / "train").glob("*.py")):
+        names = {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
+        assert "watchdog" not in names, f"{path.name} reaches for the watchdog: the session configures it"
