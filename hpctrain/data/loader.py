@@ -152,6 +152,15 @@ def make_loader(cfg: DataConfig, sources: list[TokenSource], micro_batch_size: i
     return TokenLoader(sources[0], cfg.seq_len, micro_batch_size, dp_rank, dp_size, seed)
 
 
+def train_loader(config: Config, vocab_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 pin_memory: bool = False) -> "TokenLoader | BlendLoader | PrefetchLoader":
+    """A training run's loader: its sources opened (open_sources), the loader over them (make_loader) and, with
+    train.prefetch, read ahead by a thread (PrefetchLoader). Runs after check_ids_at_start."""
+    sources = open_sources(config.data, vocab_size, seed=config.train.seed)
+    loader = make_loader(config.data, sources, micro_batch_size, dp_rank, dp_size, config.train.seed)
+    return PrefetchLoader(loader, config.train.prefetch, pin_memory) if config.train.prefetch else loader
+
+
 VAL_SEED_OFFSET = 1_000_003  # synthetic validation data: a stream no training seed of a run draws
 
 

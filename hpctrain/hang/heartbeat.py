@@ -4,6 +4,7 @@ job, `hpctrain diagnose` can read it, and how long the rank spent working and wa
     hb = Heartbeat(run_dir, rank, {"host": ..., "node": ..., "coords": {...}})  # RUN_DIR/heartbeat/rank00005.hb
     hb.enter("forward")                                   # a phase change
     hb.enter("collective", "all_reduce of the loss on dp")  # a wait for other ranks
+    hb.begin_training(11)                                 # training goes on after step 11 (0: a fresh start)
     hb.begin_step(12)                                     # step 12 begins (its phases follow)
     compute_s, wait_s = hb.take_times()                   # since the last take (log steps)
     hb.advance(0, total=846 * 10**9)                      # a checkpoint's read or write moves this much in all
@@ -76,6 +77,9 @@ class Heartbeat:
                  device_clock: Any = None) -> None:
         self.rank = rank
         self.step = 0
+        # the first step since the process started (begin_training): it compiles, allocates and sets up NCCL, so
+        # the watchdog gives it, and start-up before it, the long limit
+        self.first_step = 1
         self.phase, self.detail = "startup", ""
         self.since = time.monotonic()  # when the current phase began (the watchdog's clock)
         self.wall = time.time()  # the same moment on the wall clock (written out; comparable across hosts)
@@ -152,6 +156,12 @@ class Heartbeat:
         (start-up carries the step training resumes after)."""
         self.step = step
         self._write()
+
+    def begin_training(self, step: int) -> None:
+        """Start-up is over and training goes on after `step` (the step resumed from; 0 for a fresh start): the
+        checks and polls before the first step carry `step`, and step + 1 is the first step since the start."""
+        self.first_step = step + 1
+        self.begin_step(step)
 
     def take_times(self) -> tuple[float, float]:
         """(compute_s, wait_s) since the last call, the current phase counted up to now. With a device clock, its

@@ -11,6 +11,9 @@ stage: stages differ by design) and names those beyond train.straggler_margin.
     report = find_stragglers(times, hosts, stage_of_rank, margin=0.2)
     line = describe(report)                             # "slow: rank 2 (n1) +240%"
 
+    rep = Reporter(hb, device, hosts, layout, margin=0.2)  # a training rank's: the two above, tallied
+    report = rep.report()                               # collective, log steps; rep.summary() for the run
+
 Where a collective sits inside the forward (tensor parallel, ZeRO-3's all-gathers, pipeline sends), a rank's
 waits there count as compute: a slow rank then drags its tp group (one host) or its pipeline neighbours with it,
 and the report names them all. On GPUs the clock is CUDA events (CudaClock), since the host runs ahead.
@@ -130,6 +133,47 @@ class Tally:
             hosts[e["host"]] = max(hosts.get(e["host"], 0), e["intervals"])
         return {"log_intervals": self.intervals, "ranks": ranks,
                 "hosts": [{"host": h, "intervals": n} for h, n in sorted(hosts.items(), key=lambda kv: -kv[1])]}
+
+
+class Reporter:
+    """One training rank's part in the straggler report: the rank's compute and wait as its heartbeat counts them
+    (on CUDA as the device did them: CudaClock), the report of every log interval (report(), collective) and the
+    run's tally of them (summary()).
+
+    With mark_gradient_reduction(model), the gradient reduction DDP or FSDP (or the coalesced all-reduce) finish
+    after the backward's compute counts as wait: on the last micro-batch (last_micro_batch set by the trainer), the
+    backward reaching the embedding's output ends this rank's backward compute, and what follows is the wait for
+    the slowest dp peer."""
+
+    def __init__(self, hb: Heartbeat, device: torch.device, hosts: Sequence[str], layout: Any, margin: float) -> None:
+        """layout: the job's hpctrain.parallel.mesh.Layout (ranks compare their compute within a pipeline stage)."""
+        self.hb, self.device, self.hosts, self.margin = hb, device, hosts, margin
+        self.stage_of_rank = [layout.coords(r)["pp"] for r in range(layout.world_size)]
+        if device.type == "cuda":
+            hb.device_clock = CudaClock()
+        self.tally = Tally()
+        self.last_micro_batch = False
+
+    def mark_gradient_reduction(self, model: Any) -> None:
+        embedding = next((m for name, m in model.named_modules() if name.endswith("tok_embeddings")), None)
+        if embedding is None:
+            return
+
+        def on_forward(module, inputs, out) -> None:
+            if self.last_micro_batch and out.requires_grad:
+                out.register_hook(lambda grad: self.hb.enter("collective", "gradient reduction on dp"))
+        embedding.register_forward_hook(on_forward)
+
+    def report(self) -> dict[str, Any]:
+        """The straggler report of the steps since the previous call (collective: every rank, log steps)."""
+        self.hb.enter("collective", "straggler report on the world")
+        times = gather_times(self.hb, self.device)
+        report = find_stragglers(times, self.hosts or ["?"] * len(times), self.stage_of_rank, self.margin)
+        self.tally.add(report)
+        return report
+
+    def summary(self) -> dict[str, Any]:
+        return self.tally.summary()
 
 
 def _slow_entry(e: Any) -> bool:

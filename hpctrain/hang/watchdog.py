@@ -2,16 +2,18 @@
 change) for longer than its phase allows, it writes what it knows into RUN_DIR/hang/ and ends the whole job.
 
     channel = StoreChannel(PrefixStore("hpctrain-hang/", store.clone()), world_size)  # session.start does it
-    dog = Watchdog(hb, run_dir, Limits(step_s=180, long_s=1200, storage_bps=0.5e9), peers, channel)  # a thread
-    dog.long_until(step + 1)   # up to this step the long limit holds (the first step compiles, sets up NCCL)
+    dog = Watchdog(hb, run_dir, Limits(step_s=180, long_s=1200, storage_bps=0.5e9), peers, channel,
+                   on_end=lambda: requeue.after_hang(run_dir, 1, num_nodes))  # a thread; session.start makes it
+    hb.begin_training(resumed)   # the payload says where it starts: the first step (resumed + 1) has the long limit
     dog.stop()
 
 Limits: step phases (data, forward, backward, optimizer, collective) get parallel.hang_timeout_s; start-up,
-checkpoints, evaluation and the first step get parallel.startup_timeout_s. Both are shorter than the collective
-timeout (parallel.timeout_s), so the watchdog speaks first, while every rank is still alive to be asked. A
-checkpoint's read or write gets more: the time its bytes (the whole job's, as the checkpoint code announces them)
-take at checkpoint.storage_gbps, and its idle time runs from the last dataset read or written (Heartbeat.advance),
-so a resume that takes an hour on slow storage but moves bytes is no hang, and one whose read stops still is.
+checkpoints, evaluation and the first step (Heartbeat.first_step: the step after the one training goes on from)
+get parallel.startup_timeout_s. Both are shorter than the collective timeout (parallel.timeout_s), so the
+watchdog speaks first, while every rank is still alive to be asked. A checkpoint's read or write gets more: the
+time its bytes (the whole job's, as the checkpoint code announces them) take at checkpoint.storage_gbps, and its
+idle time runs from the last dataset read or written (Heartbeat.advance), so a resume that takes an hour on slow
+storage but moves bytes is no hang, and one whose read stops still is.
 
 The first step's long limit is for work (compiling, NCCL's set-up), not for silence: every look of the thread is
 also a tick in the rank's heartbeat, and a rank idle past half the step limit in its first step reads the ticks of
@@ -145,24 +147,20 @@ def hang_path(run_dir: Path, rank: int, suffix: str = ".txt") -> Path:
 
 class Watchdog:
     def __init__(self, hb: Heartbeat, run_dir: str | Path, limits: Limits, peers: list[Peer] | None = None,
-                 channel: StoreChannel | None = None) -> None:
+                 channel: StoreChannel | None = None, on_end: Callable[[], str] | None = None) -> None:
         self.hb, self.limits = hb, limits
         self.run_dir = Path(run_dir)
         self.peers = peers or []
         self.channel = channel  # None: files only (one rank, or no store)
-        # called by the first rank to trip once every live rank has dumped, before the job ends (the trainer's:
-        # hangrequeue.after_hang); returns one line to log
-        self.on_end: Callable[[], str] | None = None
-        self.long_until_step = 1  # steps up to this one (and start-up before them) have the long limit
+        # called by the first rank to trip once every live rank has dumped, before the job ends (a training job's:
+        # job.requeue.after_hang); returns one line to log
+        self.on_end = on_end
         self._watched: tuple[list[Peer] | None, list[Peer]] = (None, [])  # (of which peers list, the ones watched)
         # rank -> (its last tick read, this rank's monotonic time when it changed)
         self._ticks: dict[int, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
-
-    def long_until(self, step: int) -> None:
-        self.long_until_step = step
 
     def stop(self) -> None:
         self._stop.set()
@@ -176,7 +174,7 @@ class Watchdog:
             io_s = hb.io_total / self.limits.storage_bps
             return (self.limits.long_s + io_s, f"parallel.startup_timeout_s + {io_s:.0f} s for the checkpoint's "
                     f"{hb.io_total / 1e9:.3g} GB at checkpoint.storage_gbps = {self.limits.storage_bps / 1e9:g}")
-        if hb.phase in LONG_PHASES or hb.step <= self.long_until_step:
+        if hb.phase in LONG_PHASES or hb.step <= hb.first_step:
             return self.limits.long_s, "parallel.startup_timeout_s"
         return self.limits.step_s, "parallel.hang_timeout_s"
 
@@ -187,7 +185,7 @@ class Watchdog:
 
     def in_first_step(self) -> bool:
         """A step phase that has the long limit only because the step is the first since the start."""
-        return self.hb.phase not in LONG_PHASES and self.hb.step <= self.long_until_step
+        return self.hb.phase not in LONG_PHASES and self.hb.step <= self.hb.first_step
 
     def _watch(self) -> None:
         request = self.run_dir / "hang" / REQUEST

@@ -4,6 +4,12 @@ checked all-reduce, and rank 0's summary.json. Payloads (training, benchmarks) r
     with session.start(cfg, run_dir) as s:  # s.ident, s.device, s.plan, s.mesh, s.run_dir, s.summary, s.preempt
         s.summary["payload"] = do_work(s.mesh)
 
+The session makes and configures the rank's hang watchdog (hpctrain/hang/watchdog.py) whole: its limits, peers,
+store channel and what the first rank to trip does last (for a payload that resumes, start(..., resumes=True):
+requeue the job without its silent nodes, job.node_requeues times, counted with the preflight's). The payload
+only reports its progress through s.heartbeat (phases, steps, and begin_training: where the first step, with the
+long limit, is).
+
 s.preempt is the process's PreemptionFlag, installed before the rendezvous (the `train` command installs it even
 earlier): a USR2/TERM during start-up waits there for the payload's first poll.
 
@@ -17,6 +23,7 @@ Every rank sees the same gathered identities, so a refused layout is refused on 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -34,7 +41,7 @@ from hpctrain.config import Config, dump_toml
 from hpctrain.hang import ending
 from hpctrain.hang.heartbeat import Heartbeat
 from hpctrain.hang.watchdog import Limits, Peer, StoreChannel, Watchdog, keep_earlier_hang
-from hpctrain.job import rendezvous, runs
+from hpctrain.job import rendezvous, requeue, runs
 from hpctrain.job.preempt import PreemptionFlag, process_flag
 from hpctrain.parallel import mesh
 from hpctrain.parallel.plan import Plan, make_plan
@@ -224,8 +231,10 @@ def inject_fault(point: str, rank: int, step: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
-    """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit.
+def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False) -> Iterator[Session]:
+    """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit. `resumes`:
+    the payload goes on from its last checkpoint when started again (training), so a hang requeues the job
+    without its silent nodes (job.node_requeues > 0); other payloads (benchmarks, the doctor) just end.
 
     A failure under MPI leaves the process group up: the caller ends the launch with ending.abort_launch(),
     and destroy_process_group could wait on a peer that is stopped or stuck in a collective."""
@@ -251,7 +260,10 @@ def start(cfg: Config, run_dir: str | Path | None = None) -> Iterator[Session]:
                                                         "launcher": ident.launcher})
         if p.hang_limits_s is not None:
             limits = Limits(*p.hang_limits_s, storage_bps=cfg.checkpoint.storage_gbps * 1e9)
-            s.watchdog = Watchdog(s.heartbeat, s.run_dir, limits, channel=_hang_channel(ident.world_size))
+            on_end = (functools.partial(requeue.after_hang, s.run_dir, cfg.job.node_requeues, ident.num_nodes)
+                      if resumes and cfg.job.node_requeues else None)
+            s.watchdog = Watchdog(s.heartbeat, s.run_dir, limits, channel=_hang_channel(ident.world_size),
+                                  on_end=on_end)
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",
                  ident.rank, ident.world_size, ident.node_name, ident.local_rank, ident.node_index,
                  ident.num_nodes, ident.launcher, ident.job_id, device, time.time() - t0)

@@ -9,6 +9,7 @@
     6. data      (parallel/data.py)        how gradients meet across dp: DDP, a coalesced all-reduce or FSDP's
 
     pm = build(cfg, mesh, device)        # pm.model, pm.dims, pm.sync(last_micro_step), pm.loss_parallel
+    with pm.step_context(last_micro_step):  # the sync, loss parallel (and autocast when asked) of one micro-step
 
 fill=False leaves the weights allocated but unfilled (a resume overwrites them): pm.fill() fills them, pm.loaded()
 says a checkpoint did. With pp > 1, pm.parts are the stage modules the schedule runs and pm.plan says which stages
@@ -16,6 +17,7 @@ this rank runs.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,6 +45,7 @@ class ParallelModel:
     plan: pipeline.StagePlan | None = None
     # fills the weights from the seeded init; None once filled, or when a checkpoint has filled them
     unfilled: Callable[[], None] | None = None
+    device_type: str = "cpu"  # where the weights live: autocast's device type
 
     def fill(self) -> bool:
         """Fills the weights from the seeded init unless done (or loaded) already; True if it filled now."""
@@ -54,6 +57,23 @@ class ParallelModel:
     def loaded(self) -> None:
         """A checkpoint has written every parameter: the seeded init is not needed."""
         self.unfilled = None
+
+    def step_context(self, last_micro_step: bool, autocast: bool = False) -> contextlib.ExitStack:
+        """Around a forward and backward: the gradient sync of the last micro-step, loss parallel (its backward
+        must run inside it too), and with `autocast` autocast for layouts without FSDP's mixed precision."""
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(self.sync(last_micro_step))
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            ctx.enter_context(loss_parallel())
+        if autocast:
+            ctx.enter_context(self.autocast())
+        return ctx
+
+    def autocast(self):
+        """Autocast to autocast_dtype on the model's device type, or nothing."""
+        dt = self.autocast_dtype
+        return torch.autocast(self.device_type, dtype=dt) if dt is not None else contextlib.nullcontext()
 
 
 def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan | None = None) -> ParallelModel:
@@ -83,4 +103,4 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
                                      compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16")
     autocast = None if zero in (2, 3) else low  # FSDP casts parameters itself; master weights stay fp32 in shards
-    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled)
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type)

@@ -1,15 +1,15 @@
 """Validation loss (train.eval_every, train.eval_batches): the same batches of the validation split at every
 evaluation, forward only, on every rank of any layout.
 
-    ev = Evaluator(cfg, vocab_size, dp_rank, dp_size, micro_batch, dp_group, device)
+    ev = Evaluator(cfg, vocab_size, mesh, micro_batch, device)    # mesh: hpctrain.parallel.mesh.Mesh (its dp axis)
     if ev.due(step, total_steps):
         row = ev.run(step, batch_loss, chunk)   # {"step", "val_loss", "val_tokens", "eval_s"}
 
-`batch_loss(batches)` is the trainer's: the sum of the per-micro-batch mean cross-entropies of `chunk` micro-batches
-(one pipeline schedule's worth under pp, where it runs the schedule's forward-only eval; else one at a time), the
-same loss definition training reports, as a device scalar on every rank. Every micro-batch holds the same number
-of tokens, so the mean over micro-batches and dp ranks is the mean over every validation token. Training's data
-position is untouched: evaluation has its own loader.
+`batch_loss(batches)` is the trainer's (forward_loss over its model or pipeline): the sum of the per-micro-batch
+mean cross-entropies of `chunk` micro-batches (one pipeline schedule's worth under pp, where it runs the schedule's
+forward-only eval; else one at a time), the same loss definition training reports, as a device scalar on every
+rank. Every micro-batch holds the same number of tokens, so the mean over micro-batches and dp ranks is the mean
+over every validation token. Training's data position is untouched: evaluation has its own loader.
 """
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from hpctrain.config import Config
 from hpctrain.data import loader as data
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, vocab_size: int, dp_rank: int, dp_size: int, micro_batch: int, dp_group,
-                 device: torch.device) -> None:
-        self.every, self.device, self.dp_group, self.dp_size = cfg.train.eval_every, device, dp_group, dp_size
+    def __init__(self, cfg: Config, vocab_size: int, mesh, micro_batch: int, device: torch.device) -> None:
+        dp_rank, dp_size = mesh.dp_rank, mesh.layout.dp
+        self.every, self.device, self.dp_group, self.dp_size = cfg.train.eval_every, device, mesh.group("dp"), dp_size
         source = data.open_val_source(cfg.data, vocab_size, seed=cfg.train.seed)
         self.loader = data.EvalLoader(source, cfg.data.seq_len, micro_batch, dp_rank, dp_size, cfg.train.eval_batches)
         self.tokens = self.loader.num_batches * self.loader.global_batch * cfg.data.seq_len
@@ -56,3 +57,18 @@ class Evaluator:
         self.done.append((step, loss))
         return {"step": step, "val_loss": loss, "val_tokens": self.tokens * len(batches) // self.loader.num_batches,
                 "eval_s": time.perf_counter() - t0}
+
+
+def forward_loss(pm, pipe, scale: float, device: torch.device, batches: list) -> torch.Tensor:
+    """The sum of the mean losses of `batches` (forward only), as training computes its loss: through the pipeline
+    schedule's forward-only eval when `pipe` is given, else through `pm` (a compose.ParallelModel) one micro-batch at
+    a time. `scale`: the loss scale the pipeline's schedule divides out."""
+    if pipe is not None:
+        return pipe.eval_loss(batches, pm.step_context(True, autocast=True), scale)
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with pm.step_context(True, autocast=True):
+            loss = F.cross_entropy(pm.model(x).flatten(0, 1).float(), y.flatten())
+        total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+    return total

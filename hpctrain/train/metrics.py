@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hpctrain.bench.gemm import measure_gemm, probe_size
+from hpctrain.config import TrainConfig
+from hpctrain.dtypes import torch_dtype
 from hpctrain.hang.stragglers import describe
 from hpctrain.planner.hardware import DATASHEET_TFLOPS
 
@@ -97,6 +100,16 @@ def describe_peak(peak: Peak, gemm: dict[str, Any], name: str | None) -> str:
     against = f"{flop_rate(peak.tflops)} per rank ({peak.source})" if peak.tflops else f"nothing ({peak.source})"
     return (f"MFU against {against}; measured {gemm['dtype']} GEMM {gemm['n']}^3 on {name or 'CPU'}: "
             f"{flop_rate(gemm['tflops'])}")
+
+
+def mfu_peak(device: torch.device, precision: str, tf32: bool, configured: float) -> tuple[Peak, dict[str, Any]]:
+    """A training run's peak, which MFU is against (choose_peak; `configured`: train.peak_tflops), and the GEMM
+    probe's measured rate reported beside it; logs them in one line (describe_peak)."""
+    gemm = gemm_probe(device, torch_dtype(precision))
+    name = device_name(device)
+    peak = choose_peak(name, matmul_dtype(precision, tf32), configured, gemm)
+    log.info("%s", describe_peak(peak, gemm, name))
+    return peak, gemm
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype, min_time_s: float = 0.25) -> dict[str, Any]:
@@ -204,10 +217,12 @@ class TrainLog:
     progress line on rank 0. Also steps the profiler (train.profile_steps)."""
 
     def __init__(self, run_dir: Path, rank: int, total_steps: int, device: torch.device, flops_per_token: float,
-                 world: int, peak: Peak, gemm: dict[str, Any], tokens_seen: int, profile_steps=()) -> None:
+                 world: int, peak: Peak, gemm: dict[str, Any], tokens_seen: int, profile_steps=(),
+                 memory: dict[str, Any] | None = None) -> None:
         self.log_file = MetricsLog(run_dir, rank == 0, total_steps)
         self.rank0, self.device, self.flops_per_token, self.world = rank == 0, device, flops_per_token, world
         self.peak, self.gemm = peak, gemm
+        self.memory = memory or {}  # what peak_mem_gb counts from (reset_peak_memory), for the run's summary
         self.losses: list[float] = []
         self.pending: list[Any] = []  # losses of the steps since the last log step (device tensors or floats)
         self.last: dict[str, Any] = {}
@@ -264,6 +279,16 @@ class TrainLog:
             self.profiler.stop()
         self.log_file.close()
         return self.losses
+
+
+def begin_train_log(t: TrainConfig, run_dir: Path, rank: int, device: torch.device, tf32: bool,
+                    flops_per_token: float, tokens_seen: int) -> TrainLog:
+    """A training loop's log, begun once initialisation is over (model, optimizer, resume): the GEMM probe and the
+    peak MFU is against (mfu_peak), then the reset of the peak memory, so the peak is training's own."""
+    peak, gemm = mfu_peak(device, t.precision, tf32, t.peak_tflops)
+    memory = reset_peak_memory(device)
+    return TrainLog(run_dir, rank, t.steps, device, flops_per_token, dist.get_world_size(), peak, gemm, tokens_seen,
+                    t.profile_steps, memory)
 
 
 def host_values(row: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ pipeline stages, and a dynamic loss scaler for fp16.
     opt = build_optimizer(model, cfg.train, lr, zero_group)  # ZeRO-1 (ZeroRedundancyOptimizer) when zero_group is given
     sched = build_schedule(opt, cfg.train, lr, cfg.train.steps)  # LambdaLR, stepped once per train step
     norm = grad_norm(params, pp_group); clip_grads(params, t.grad_clip, norm)   # the same norm on every rank
+    skipped = step_or_skip(opt, norm, finite, loss_scaled=False)  # a non-finite step never reaches the weights
     scaler = LossScaler(enabled=precision == "fp16", init_scale=t.loss_scale)
 
 Tested through training: tests/multiproc/test_train_equivalence.py (grad norms against a one-process reference, the
@@ -43,8 +44,29 @@ def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None
         opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
         return opt
     # foreach: multi-tensor kernels that take DTensor shards (FSDP, TP) as they take plain tensors. Fused AdamW
-    # would let Trainer._optimizer_step skip a non-finite step without a host sync; it is not used yet.
+    # would let step_or_skip skip a non-finite step without a host sync; it is not used yet.
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def step_or_skip(optimizer: torch.optim.Optimizer, norm: torch.Tensor, finite: bool,
+                 loss_scaled: bool) -> bool | torch.Tensor:
+    """torchtitan's rule: never let a non-finite gradient reach the weights. Steps `optimizer` unless the gradients'
+    norm is non-finite (or `finite` is False); returns whether the step was skipped.
+
+    An optimizer that takes found_inf (fused AdamW) decides on the device: its kernel leaves weights, moments
+    and step counts alone, and "skipped" stays a device tensor. The others (foreach AdamW, ZeRO-1's wrapper)
+    cannot skip on the device, so the host reads the norm's finiteness: one host sync per step, which
+    build_optimizer building fused AdamW on CUDA would remove. With fp16 (`loss_scaled`) the scaler has read its
+    overflow flag already (finite)."""
+    if finite and getattr(optimizer, "_step_supports_amp_scaling", False) and not loss_scaled:
+        found_inf = (~torch.isfinite(norm)).float()
+        optimizer.found_inf = found_inf
+        optimizer.step()
+        return found_inf.bool()
+    skipped = not (finite and bool(torch.isfinite(norm)))  # the documented host sync
+    if not skipped:
+        optimizer.step()
+    return skipped
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:

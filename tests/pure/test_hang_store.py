@@ -146,7 +146,7 @@ def test_answers_reach_the_first_rank_while_files_appear_late(tmp_path, monkeypa
             dog = watchdog.Watchdog(hbs[r], tmp_path, limits, channel=_channel(store) if through_store else None)
             late.rank_of_thread[dog._thread.ident] = r
             dogs.append(dog)
-        dogs[-1].on_end = functools.partial(hangrequeue.after_hang, tmp_path, 1, 4)  # rank 2's, as train.run sets
+        dogs[-1].on_end = functools.partial(hangrequeue.after_hang, tmp_path, 1, 4)  # rank 2's (session.start)
         hbs[2].since -= 30  # past its step limit, now that the shim knows every watchdog thread's rank
         _until(lambda: ended and (tmp_path / "hang.jsonl").exists(), 20, "the first rank never ended the job")
         if through_store:

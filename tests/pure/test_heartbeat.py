@@ -120,7 +120,6 @@ def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int =
 
 def test_watchdog_trips_on_a_stale_phase(tmp_path, monkeypatch) -> None:
     dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.5, long_s=30), "collective")
-    dog.long_until(1)
     dog.on_end = lambda: "requeued job 77 without n9"  # the first rank to trip runs it (hangrequeue.after_hang)
     _until_ended(ended, "the watchdog never tripped")
     dog.stop()
@@ -149,7 +148,6 @@ def test_a_broken_log_handler_does_not_keep_the_job_alive(tmp_path, monkeypatch)
     logging.getLogger().addHandler(handler)
     try:
         dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
-        dog.long_until(1)
         _until_ended(ended, "a failing handler kept the job alive")
         dog.stop()
     finally:
@@ -182,9 +180,10 @@ def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch
     dog, hb, ended = _dog(tmp_path, monkeypatch, limits, "checkpoint")
     try:
         assert dog.limit() == (60, "parallel.startup_timeout_s")
+        hb.begin_training(4)  # a resume from step 4: step 5 is the first after the start (compile, NCCL set-up)
+        hb.begin_step(5)
         hb.enter("forward")
-        dog.long_until(5)
-        assert dog.limit()[0] == 60  # step 5 is the first after the start: compile, NCCL set-up
+        assert dog.limit()[0] == 60
         hb.begin_step(6)
         assert dog.limit() == (0.3, "parallel.hang_timeout_s")
         hb.enter("eval")
@@ -327,7 +326,8 @@ def test_a_stopped_peer_ends_the_first_steps_long_limit(tmp_path, monkeypatch) -
         dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
         me = watchdog.Peer.me(2)
         dog.peers = [me, watchdog.Peer(3, me.host, proc.pid, watchdog.process_start(proc.pid))]
-        dog.long_until(1)  # the first step after a resume from step 0
+        hb.begin_training(0)  # a fresh start: step 1 is the first
+        hb.begin_step(1)
         time.sleep(3)  # idle well past the step limit, the peer alive (its watchdog runs): the long limit holds
         assert not ended and heartbeat.read(heartbeat.heartbeat_path(tmp_path, 3))["alive"] > time.time() - 2
         os.kill(proc.pid, signal.SIGSTOP)
@@ -366,7 +366,6 @@ def test_a_peer_on_a_skewed_clock_is_not_silent(tmp_path, monkeypatch) -> None:
         dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
         me = watchdog.Peer.me(2)
         dog.peers = [me, watchdog.Peer(3, me.host, os.getpid(), watchdog.process_start(os.getpid()))]
-        dog.long_until(1)
         time.sleep(3)  # idle past the step limit in the first step; the peer's tick changes, 1000 s in the past
         assert not ended, ended
         stop.set()
@@ -413,7 +412,6 @@ def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None
     watchdog.hang_path(run, 2).symlink_to(victim)
     watchdog.hang_path(run, 2, ".fr.json").symlink_to(victim)
     dog, hb, ended = _dog(run, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
-    dog.long_until(1)
     _until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert victim.read_text() == "precious\n"
@@ -423,7 +421,6 @@ def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None
     other.mkdir()
     (other / "hang").symlink_to(elsewhere)
     dog, hb, ended = _dog(other, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
-    dog.long_until(1)
     _until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert list(elsewhere.iterdir()) == [], list(elsewhere.iterdir())

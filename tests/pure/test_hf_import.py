@@ -25,6 +25,7 @@ from hpctrain.hf import load as hf_import
 from hpctrain.job import session
 from hpctrain.model.dims import ModelDims
 from hpctrain.model.transformer import Transformer
+from hpctrain.train import resume
 from hpctrain.train.trainer import Trainer
 
 # the run's own keys: no model sizes (they come from the directory), tiny batches
@@ -51,8 +52,8 @@ def _imported(root: Path, hf: Path, *sets: str) -> tuple[dict[str, torch.Tensor]
     cfg = _cfg(root, hf, *sets)
     with session.start(cfg) as s:
         trainer = Trainer(cfg, s)
-        with trainer.checkpointer() as ckpt:
-            assert trainer.start(ckpt) is None
+        with resume.checkpointer(trainer) as ckpt:
+            assert resume.start(trainer, ckpt) is None
         return full_weights(trainer.pm.model), trainer.pm.dims
 
 
@@ -125,8 +126,8 @@ def test_resume_does_not_read_init_from(hf_dirs, tmp_path) -> None:
         Trainer(cfg, s).fit()  # 2 steps from the HF weights, saved at the end
     with session.start(cfg) as s:
         trainer = Trainer(cfg, s)
-        with trainer.checkpointer() as ckpt:
-            assert trainer.start(ckpt) == 2
+        with resume.checkpointer(trainer) as ckpt:
+            assert resume.start(trainer, ckpt) == 2
         after = ours_as_hf(full_weights(trainer.pm.model), 100)
     assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"],
                            theirs["model.layers.0.self_attn.q_proj.weight"])

@@ -108,8 +108,8 @@ def test_train_step_leaves_its_metrics_on_the_device(tmp_path, monkeypatch) -> N
         reads = host_reads(monkeypatch)
         rows = [tr.train_step(sync=False) for _ in range(4)]
         monkeypatch.undo()
-    # foreach AdamW cannot skip on the device: its finiteness check is the one read, documented in _optimizer_step
-    assert reads == ["trainer.py:_optimizer_step"] * 4
+    # foreach AdamW cannot skip on the device: its finiteness check is the one read, documented in optim.step_or_skip
+    assert reads == ["optim.py:step_or_skip"] * 4
     assert all(isinstance(r["loss"], torch.Tensor) and isinstance(r["grad_norm"], torch.Tensor) for r in rows)
     assert [host_values(r)["loss"] for r in rows] == want  # the same numbers, read late
 
@@ -186,3 +186,24 @@ def test_untimed_pipeline_step_takes_no_barrier_and_no_time(monkeypatch) -> None
     pipe.step(torch.zeros(1), torch.zeros(1))
     t = pipe.timing()
     assert barriers == [None, None] and seen == [False, True] and t["steps"] == 1 and 0 < t["busy_s"] <= t["wall_s"]
+
+
+# --- the watchdog's one owner -----------------------------------------------------------------------------------
+
+def test_the_session_configures_the_watchdog_whole(tmp_path, monkeypatch) -> None:
+    """session.start makes the watchdog with everything it does, the hang requeue of a payload that resumes
+    included; the trainer only moves the heartbeat (begin_training: where its first step, with the long limit, is)."""
+    from hpctrain.job import requeue
+
+    cfg = load_config(None, STEP_CASE + [f"job.run_root={tmp_path}", "parallel.hang_timeout_s=60",
+                                         "job.node_requeues=2"])
+    with session.start(cfg, resumes=True) as s:
+        end = s.watchdog.on_end
+        assert (end.func, end.args) == (requeue.after_hang, (s.run_dir, 2, 1))
+        Trainer(cfg, s).fit()
+        assert s.heartbeat.first_step == 1 and s.heartbeat.step == 6
+    with session.start(cfg) as s:  # benchmarks, the doctor: a hang just ends them
+        assert s.watchdog is not None and s.watchdog.on_end is None
+    with session.start(load_config(None, STEP_CASE + [f"job.run_root={tmp_path}", "job.node_requeues=0"]),
+                       resumes=True) as s:
+        assert s.watchdog.on_end is None

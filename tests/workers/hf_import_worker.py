@@ -16,6 +16,7 @@ from helpers import each_case, full_weights  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.job import session
 from hpctrain.model.transformer import clean_name  # noqa: E402
+from hpctrain.train import resume  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402
 
 
@@ -25,8 +26,8 @@ def main(out: str, cases_json: str, base_port: int) -> None:
                                                   f"checkpoint.dir={out}/{c['name']}-ck"])
         with session.start(cfg) as s:
             trainer = Trainer(cfg, s)
-            with trainer.checkpointer() as ckpt:
-                resumed = trainer.start(ckpt)
+            with resume.checkpointer(trainer) as ckpt:
+                resumed = resume.start(trainer, ckpt)
                 if c.get("save"):
                     ckpt.maybe_save(0, force=True)
             weights = full_weights(trainer.pm.model)
