@@ -37,7 +37,7 @@ from hpctrain.job import preempt, session
 from hpctrain.job import requeue as hangrequeue
 from hpctrain.parallel import compose, pipeline
 from hpctrain.parallel.plan import with_training
-from hpctrain.train import evaluate, metrics, mutations, optim
+from hpctrain.train import evaluate, metrics, optim
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,6 @@ class Trainer:
         if self.pm.plan is not None:
             self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, s.mesh.pp_rank, self.pp_group,
                                           self.device, cfg.train.grad_accum, self._pipeline_loss)
-        # None except in tests/multiproc/test_grad_scale_mutations.py
-        self.mutation = mutations.gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)
         # where this rank is (hang forensics) and how long it computed and waited (the straggler report)
         self.hb = s.heartbeat if s.heartbeat is not None else Heartbeat(None, s.rank)
         if self.device.type == "cuda":
@@ -238,13 +236,12 @@ class Trainer:
             self._reduction_armed = k == accum - 1
             with self._context(k == accum - 1):
                 self.hb.enter("forward", f"micro-batch {k + 1}/{accum}")
-                session.inject_fault("forward", self.s.rank, self.step + 1)
                 with self._autocast():
                     logits = self.model(x)
                 mean = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss = mean / accum
                 self.hb.enter("backward", f"micro-batch {k + 1}/{accum}")
-                self.scaler.scale_loss(mean if self.mutation == "no_accum_div" else loss).backward()
+                self.scaler.scale_loss(loss).backward()
             loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
         self._reduction_armed = False
         return loss_sum
@@ -273,12 +270,8 @@ class Trainer:
             self.hb.enter("data")
             batches = [self.loader.next_batch() for _ in range(t.grad_accum)]  # every stage reads: same position
             self.hb.enter("forward", f"pipeline schedule, forward and backward of {t.grad_accum} micro-batches")
-            session.inject_fault("forward", self.s.rank, self.step + 1)
             loss_sum = self.pipe.forward_backward(batches, self._context(True, autocast=True), self.scaler.scale,
                                                   timed=sync)
-        if self.mutation in ("dp_sum", "tp_double"):
-            mutations.mutate_reduced_grads(self.mutation, self.params, self.s.mesh.layout.dp,
-                                           self.s.mesh.group("tp"))
         self.hb.enter("optimizer", "unscale and finiteness")
         finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
         self.hb.enter("collective", "gradient norm over the shards")
