@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 BLOCK = 4 << 20  # bytes per write and read call, as a checkpoint writer's large sequential I/O
 # The storage probe's bounds. MAX_STORAGE_MB: the most `doctor --storage-mb` takes (16 GiB; a rate measured past a
@@ -181,14 +181,13 @@ def probe_bytes(asked: int, free: int, writers: int) -> tuple[int, str | None]:
                   f"{free / 1e9:.3g} GB free, shared by {writers} node(s) writing at once")
 
 
-def storage(directory: Path, nbytes: int, name: str, stall: Callable[[float], None] | None = None,
-            writers: int = 1) -> dict[str, Any]:
+def storage(directory: Path, nbytes: int, name: str, writers: int = 1) -> dict[str, Any]:
     """Write nbytes to a new file in `directory` and fsync it (the time a checkpoint shard takes to be durable),
     then read it back cold. nbytes is bounded by the free space (probe_bytes; the result says when it shrank).
     The file is unlinked as soon as it is created, before the first byte: its blocks go back to the file system
     when this process closes it or ends, by any signal, SIGKILL included. Its cached pages are dropped with
     posix_fadvise(DONTNEED) before the read (they are clean after the fsync); a file system that ignores the
-    advice reports a cached read. stall(seconds) is the slowed-node test switch's hook (hpctrain/doctor/measure.py)."""
+    advice reports a cached read."""
     fs = file_system(directory)
     try:
         free = shutil.disk_usage(directory).free
@@ -214,13 +213,13 @@ def storage(directory: Path, nbytes: int, name: str, stall: Callable[[float], No
         while done < nbytes:
             done += os.write(fd, block[:nbytes - done])  # the last block may be short; so may any write
         os.fsync(fd)
-        write = nbytes / stalled(time.perf_counter() - t0, stall) / 1e9
+        write = nbytes / (time.perf_counter() - t0) / 1e9
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.lseek(fd, 0, os.SEEK_SET)
         t0 = time.perf_counter()
         while os.readv(fd, [buf]):
             pass
-        read = nbytes / stalled(time.perf_counter() - t0, stall) / 1e9
+        read = nbytes / (time.perf_counter() - t0) / 1e9
     except OSError as e:
         return {"dir": str(directory), "error": f"cannot write and read back {path}: {e.strerror or e}"}
     finally:
@@ -230,15 +229,6 @@ def storage(directory: Path, nbytes: int, name: str, stall: Callable[[float], No
     out = {"dir": str(directory), "write_gbps": write, "read_gbps": read, "bytes": nbytes, "free_gb": free / 1e9,
            "fs": fs, "striping": striping(directory, fs)}
     return out | ({"asked": asked, "shrunk": shrunk} if shrunk else {})
-
-
-def stalled(elapsed: float, stall: Callable[[float], None] | None) -> float:
-    """The span as measured, plus what the stall hook adds to it (it sleeps, so it is real time too)."""
-    if stall is None:
-        return elapsed
-    t0 = time.perf_counter()
-    stall(elapsed)
-    return elapsed + time.perf_counter() - t0
 
 
 def environment() -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Fixtures for the real MPI and Slurm tiers; everything else the tests share is in tests/helpers.py.
 
 Tests live in tier folders (pure/, multiproc/, cluster/) and import helpers (and faults) from here: this file puts
-tests/ on sys.path before any test module is imported.
+tests/ on sys.path before any test module is imported, and tests/plugins (the test seams, seams.py).
 
 CI sets HPCTRAIN_REQUIRE_MPI=1 and HPCTRAIN_REQUIRE_SLURM=1 (see .ci/run): there a missing mpiexec or an
 unreachable local cluster fails the tests instead of skipping them.
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 TESTS = str(Path(__file__).resolve().parent)
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
+for _path in (TESTS, str(Path(TESTS) / "plugins")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from helpers import required, tool  # noqa: E402
 

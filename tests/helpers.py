@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 WORKERS = TESTS / "workers"
+PLUGINS = TESTS / "plugins"  # the test seams (seams.py) and the sitecustomize.py that installs them in a launch
 BIN = Path(sys.executable).parent
 EXAMPLE = REPO / "slurm" / "examples" / "tiny-cpu.toml"
 
@@ -46,6 +47,14 @@ def env_with_venv() -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def seam_env(**seams: str) -> dict[str, str]:
+    """Environment for processes a launcher starts with test seams on (SEAM_FAULT=..., SEAM_DOCTOR_SLOW=...; see
+    tests/plugins/seams.py): the variables, and tests/plugins first on PYTHONPATH so that every Python process
+    started from it (the CLI, its ranks) loads the plugin's sitecustomize.py."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": str(PLUGINS) + (os.pathsep + path if path else ""), **seams}
 
 
 def required(var: str) -> bool:

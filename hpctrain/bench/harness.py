@@ -52,7 +52,6 @@ class Options:
     seed: int = 0
     average: int = 1  # -a: the ranks' times combined as nccl-tests does: 0 rank 0, 1 mean, 2 min, 3 max
     blocking: int = 0  # -z: 0 back-to-back launches and one wait, 1 wait and barrier after each call
-    inject_wrong: bool = False  # corrupt one received element on one rank: proves the check can fail
     placements: tuple[str, ...] = field(default=("out", "in"))
 
     def __post_init__(self) -> None:
@@ -212,8 +211,6 @@ def run_placement(coll: Coll, ctx: Ctx, T: int, opts: Options, device, inputs: I
         pattern.fill(send, ctx.idx, chunk)
         _wait(launch())
         _sync(device)
-        if opts.inject_wrong and ctx.idx == ctx.root:  # the root checks every collective, reduce too
-            recv.view(-1)[0] = sentinel(dtype)  # never a result, in any type (+1 can round away in bf16)
         wrong = world_sum(check_recv(coll, pattern, ctx, T, recv, chunk) or 0)
     return {"time_us": elapsed * 1e6, "wrong": wrong}
 

@@ -190,7 +190,6 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
 @click.option("--plot", "plot_path", default=None, help="Also write the busbw PNG here.")
 @click.option("--gemm-size", default=1024, type=int, help="Matrix size of the GEMM probe.")
 @click.option("--seed", default=0, type=int)
-@click.option("--inject-wrong", is_flag=True, hidden=True)
 @click.option("--config", "config", default=None, type=click.Path(dir_okay=False), help="Job config (layout).")
 @SET_OPT
 @click.option("--run-dir", default=None, type=click.Path(file_okay=False))
@@ -199,7 +198,7 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
 @ends_launch_on_error
 @user_errors
 def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check, datatype, op, root, average,
-          blocking, group, backend, algo, json_path, plot_path, gemm_size, seed, inject_wrong, config, overrides,
+          blocking, group, backend, algo, json_path, plot_path, gemm_size, seed, config, overrides,
           run_dir, do_submit, wait):
     """nccl-tests-style benchmark of COLLS (all_reduce all_gather reduce_scatter alltoall broadcast reduce
     sendrecv, or all) on the job's own communicators; `hpctrain bench gemm` measures the matmul rate."""
@@ -228,8 +227,7 @@ def bench(colls, minbytes, maxbytes, stepfactor, stepbytes, iters, warmup, check
                    sizes=sweep.size_sweep(sweep.parse_size(minbytes), sweep.parse_size(maxbytes), stepfactor,
                                           stepbytes),
                    iters=iters, warmup=warmup, check=bool(check), dtype=datatype, op=op, root=root, group=group,
-                   backend=backend, algo=algo, seed=seed, average=average, blocking=blocking,
-                   inject_wrong=inject_wrong)
+                   backend=backend, algo=algo, seed=seed, average=average, blocking=blocking)
     return benchjob.main(cfg, run_dir, lambda s: benchjob.run_collectives(s, opts, json_path, plot_path))
 
 

@@ -64,24 +64,6 @@ class Preempted(Exception):
     """A preemption signal during the preflight of a training job: every rank raises it at the same round."""
 
 
-def slow_factor(node: str) -> float:
-    """Test switch, read here and nowhere else: HPCTRAIN_DOCTOR_SLOW=<node>[:factor] (default 10) makes that node's
-    GEMM and storage measure `factor` times slower for real: the measured span is followed by (factor - 1) times
-    its length asleep, inside the timing (asleep, so the other nodes sharing this host's cores are not slowed)."""
-    spec = os.environ.get("HPCTRAIN_DOCTOR_SLOW", "")
-    name, _, factor = spec.partition(":")
-    if not spec or name != node:
-        return 1.0
-    return float(factor or 10)
-
-
-def _stall(factor: float) -> Callable[[float], None] | None:
-    if factor <= 1:
-        return None
-    log.warning("HPCTRAIN_DOCTOR_SLOW: this node measures %g x slower", factor)
-    return lambda elapsed: time.sleep(elapsed * (factor - 1))
-
-
 def _turns(units: list[set[str]], share: bool) -> list[int]:
     """The turn of each unit (a rank, a group, a node), given the hosts it runs on: with `share`, units that
     share a host go in different turns (first free turn, in order); else all in turn 0."""
@@ -123,13 +105,12 @@ def device_info(device: torch.device) -> dict[str, Any]:
             "uuid": str(getattr(props, "uuid", "")), "cpus": cpus, "threads": threads}
 
 
-def gemm_rate(device: torch.device, stall: Callable[[float], None] | None) -> dict[str, Any]:
+def gemm_rate(device: torch.device) -> dict[str, Any]:
     """One GEMM probe (bf16 on GPUs, which the datasheet figure is for; fp32 on CPUs)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     n = gemm.probe_size(device.type, dtype)
     r = gemm.measure_gemm(dtype, n, device, min_time_s=0.15, warmup=1)
-    return {"tflops": r["tflops"] * r["time_s"] / hostprobe.stalled(r["time_s"], stall), "n": n,
-            "dtype": str(dtype).removeprefix("torch.")}
+    return {"tflops": r["tflops"], "n": n, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def axis_groups(m: mesh.Mesh, axis: str) -> list[list[int]]:
@@ -198,11 +179,10 @@ def measure(s: session.Session, opts: Options, stop: Callable[[], bool] | None =
     idents: list[Any] = [None] * s.ident.world_size
     dist.all_gather_object(idents, me)
     shared = dev.type != "cuda"  # CPU ranks of one host share its cores
-    stall = _stall(slow_factor(me["node"]))
     rec: dict[str, Any] = me | {"device": device_info(dev), "groups": [], "storage": None, "env": None}
 
     turns = _turns([{i["host"]} for i in idents], shared)
-    rounds = _in_turns(turns[rank], max(turns) + 1, opts.reps, lambda: gemm_rate(dev, stall), stop)
+    rounds = _in_turns(turns[rank], max(turns) + 1, opts.reps, lambda: gemm_rate(dev), stop)
     rec["gemm"] = max(rounds, key=lambda r: r["tflops"])
 
     plan: list[tuple[str, list[str], list[list[int]]]] = []  # (axis, its aliases, its groups), alike on every rank
@@ -234,7 +214,7 @@ def measure(s: session.Session, opts: Options, stop: Callable[[], bool] | None =
     if mine is not None:
         os.sync()  # the node's earlier writes flushed first: an fsync of ours must not time their writeback
     rounds = _in_turns(mine, max(turns) + 1, opts.storage_reps,
-                       lambda: hostprobe.storage(where, opts.storage_mb << 20, me["node"], stall, writers), stop)
+                       lambda: hostprobe.storage(where, opts.storage_mb << 20, me["node"], writers), stop)
     if rounds:
         failed = [r for r in rounds if "error" in r]
         rec["storage"] = failed[0] if failed else rounds[0] | {

@@ -42,7 +42,7 @@ it. The cost: a gloo context per group (TCP connections, host memory, an interfa
 follows GLOO_SOCKET_IFNAME), and a host collective is a TCP round trip, so per-step collectives (the preemption
 poll) keep passing the rank's device and stay on NCCL. device_id is still passed for NCCL: the communicator
 connects at init, on the bound GPU, and subgroups split from it. tests/multiproc/test_device_collectives.py checks
-this on CPU through the HPCTRAIN_EMULATE_NCCL hook (init_distributed).
+this on CPU, the NCCL path emulated on gloo by patching this module from outside (tests/plugins/seams.py).
 
 gloo connects lazily (lazy_gloo): a pair of ranks opens its TCP connection on its first message, not every pair of
 every group when the group is made. Eager gloo held one socket per peer per group on every rank (at 64 x 8 ranks
@@ -403,16 +403,6 @@ def lazy_gloo() -> None:
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
 
-def emulated_device_backend(config: str) -> str:
-    """The backend string with every NCCL entry served by gloo instead, each for the same device types only:
-    "nccl" -> "cuda:gloo", a group that refuses host tensors with NCCL's own error on a CPU-only torch."""
-    from torch.distributed import Backend
-    from torch.distributed.distributed_c10d import BackendConfig
-
-    pairs = BackendConfig(Backend(config)).get_device_backend_map()
-    return ",".join(f"{dev}:{'gloo' if name == 'nccl' else name}" for dev, name in pairs.items())
-
-
 def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 600, master_addr: str = "",
                      rendezvous_dir: str | Path | None = None, *, interface: str = "", connect_timeout_s: int = 60,
                      flight_recorder: int = 0):
@@ -421,21 +411,16 @@ def init_distributed(ident: Identity, backend: str = "auto", timeout_s: int = 60
     size already (TORCH_FR_BUFFER_SIZE, or NCCL's older TORCH_NCCL_TRACE_BUFFER_SIZE)."""
     if flight_recorder and not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
         os.environ["TORCH_FR_BUFFER_SIZE"] = str(flight_recorder)  # read when a process group is made
-    import torch
     import torch.distributed as dist
 
-    # Test hook (tests/multiproc/test_device_collectives.py), read here and nowhere else: HPCTRAIN_EMULATE_NCCL=1
-    # runs the NCCL path on a CPU-only torch, its device entries served by gloo (emulated_device_backend), the rank
-    # on the CPU
-    emulate = os.environ.get("HPCTRAIN_EMULATE_NCCL") == "1"
-    backend = "nccl" if emulate else choose_backend(backend)
-    device = torch.device("cpu") if emulate else bind_device(ident, backend)
+    backend = choose_backend(backend)
+    device = bind_device(ident, backend)
     timeout = timedelta(seconds=timeout_s)
-    config = emulated_device_backend(backend_config(backend)) if emulate else backend_config(backend)
+    config = backend_config(backend)
     lazy_gloo()
     kwargs: dict[str, Any] = {"backend": config, "rank": ident.rank, "world_size": ident.world_size,
                               "timeout": timeout}
-    if backend == "nccl" and not emulate:
+    if backend == "nccl":
         kwargs["device_id"] = device
     spans_hosts = ident.num_hosts > 1 if ident.num_hosts else ident.num_nodes > 1
     for var, value in feed_socket_ifname(interface, spans_hosts).items():

@@ -28,7 +28,6 @@ import logging
 import os
 import platform
 import resource
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,33 +202,6 @@ def _build_mesh(s: Session) -> None:
     log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES))
 
 
-_faults_said: set[str] = set()
-
-
-def inject_fault(point: str, rank: int, step: int | None = None) -> None:
-    """Test hook of the fault campaign (tests/cluster/test_faults_launch.py, tests/cluster/test_hang.py), read here
-    and nowhere else: HPCTRAIN_FAULT=<action>:<rank>:<point> makes that rank act at `point`. Actions: raise,
-    a signal name (sent to itself: SIGSTOP stops it as a hung node would), sleep<seconds> (a slow rank). Points:
-    rendezvous (identity known, before torch.distributed), ready (mesh checked, before the payload), forward
-    (inside every training step's forward) or forward<N> (only step N's)."""
-    spec = os.environ.get("HPCTRAIN_FAULT", "")
-    if not spec:
-        return
-    action, fault_rank, fault_point = spec.split(":")
-    if int(fault_rank) != rank or fault_point not in (point, f"{point}{step}"):
-        return
-    if spec not in _faults_said:  # a slow rank's sleep comes every step: said once
-        log.warning("HPCTRAIN_FAULT: %s on rank %d at %s", action, rank, point if step is None else
-                    f"{point} of step {step}")
-        _faults_said.add(spec)
-    if action == "raise":
-        raise RuntimeError(f"HPCTRAIN_FAULT: injected failure on rank {rank} at {point}")
-    if action.startswith("sleep"):
-        time.sleep(float(action[5:]))
-        return
-    os.kill(os.getpid(), signal.Signals[action])
-
-
 @contextlib.contextmanager
 def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False) -> Iterator[Session]:
     """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit. `resumes`:
@@ -242,7 +214,6 @@ def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False)
     flag = process_flag()  # first: a preemption signal from here on is kept, not fatal
     open_files = raise_open_files()  # before MPI, the store and gloo open theirs; said once the log is set up
     ident = rendezvous.identify(cfg.parallel.rendezvous)
-    inject_fault("rendezvous", ident.rank)
     rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
     p = cfg.parallel
     device = rendezvous.init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rdzv_dir,
@@ -274,7 +245,6 @@ def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False)
         })
         try:
             _build_mesh(s)
-            inject_fault("ready", ident.rank)
             yield s
             s.summary["ok"] = True
         except Exception as e:

@@ -30,7 +30,7 @@ from hpctrain.hang.heartbeat import Heartbeat
 from hpctrain.job import session
 from hpctrain.parallel import compose, pipeline
 from hpctrain.parallel.plan import with_training
-from hpctrain.train import evaluate, metrics, mutations, optim, resume, summary
+from hpctrain.train import evaluate, metrics, optim, resume, summary
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,6 @@ class Trainer:
         self.sync_steps = True  # train_step reads its metrics to the host every step; fit() only on log steps
         self.pipe = pipeline.Pipeline(self.pm.plan, self.pm.parts, s.mesh.pp_rank, self.pp_group, self.device,
                                       cfg.train.grad_accum, self._pipeline_loss) if self.pm.plan else None
-        # None except in tests/multiproc/test_grad_scale_mutations.py
-        self.mutation = mutations.gradient_mutation(layout.dp, layout.tp, layout.pp, cfg.train.grad_accum)
         # where this rank is (hang forensics) and how long it computed and waited (the straggler report)
         self.hb = s.heartbeat if s.heartbeat is not None else Heartbeat(None, s.rank)
         self.stragglers = stragglers.Reporter(self.hb, self.device, s.hosts, layout, cfg.train.straggler_margin)
@@ -168,13 +166,12 @@ class Trainer:
             self.stragglers.last_micro_batch = k == accum - 1
             with self.pm.step_context(k == accum - 1):
                 self.hb.enter("forward", f"micro-batch {k + 1}/{accum}")
-                session.inject_fault("forward", self.s.rank, self.step + 1)
                 with self.pm.autocast():
                     logits = self.model(x)
                 mean = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss = mean / accum
                 self.hb.enter("backward", f"micro-batch {k + 1}/{accum}")
-                self.scaler.scale_loss(mean if self.mutation == "no_accum_div" else loss).backward()
+                self.scaler.scale_loss(loss).backward()
             loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
         self.stragglers.last_micro_batch = False
         return loss_sum
@@ -201,12 +198,8 @@ class Trainer:
             self.hb.enter("data")
             batches = [self.loader.next_batch() for _ in range(t.grad_accum)]  # every stage reads: same position
             self.hb.enter("forward", f"pipeline schedule, forward and backward of {t.grad_accum} micro-batches")
-            session.inject_fault("forward", self.s.rank, self.step + 1)
             loss_sum = self.pipe.forward_backward(batches, self.pm.step_context(True, autocast=True), self.scaler.scale,
                                                   timed=sync)
-        if self.mutation in ("dp_sum", "tp_double"):
-            mutations.mutate_reduced_grads(self.mutation, self.params, self.s.mesh.layout.dp,
-                                           self.s.mesh.group("tp"))
         self.hb.enter("optimizer", "unscale and finiteness")
         finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
         self.hb.enter("collective", "gradient norm over the shards")

@@ -3,8 +3,9 @@
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/test_doctor_system.py
 
 mpiexec (two named nodes of 2 ranks) and Slurm (`hpctrain doctor CONFIG`: submitted, waited for, the table
-printed): a healthy run exits 0, a node slowed 10x by the test switch (HPCTRAIN_DOCTOR_SLOW, passed to the tasks
-through sbatch's environment) exits 1 with its --exclude= line. A training job with job.preflight = true and a
+printed): a healthy run exits 0, a node slowed 10x by the test seam (SEAM_DOCTOR_SLOW and tests/plugins on
+PYTHONPATH, passed to the tasks through sbatch's environment; tests/plugins/seams.py) exits 1 with its --exclude=
+line. A training job with job.preflight = true and a
 slowed node is requeued without it (the local cluster has 3 nodes) and trains on the two others.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, hpctrain, only_run_dir, required, run_mpiexec
+from helpers import EXAMPLE, PLUGINS, hpctrain, only_run_dir, required, run_mpiexec, seam_env
 
 
 def _doctor(root, *extra: str) -> list[str]:
@@ -32,9 +33,9 @@ def test_doctor_under_mpiexec_flags_the_slowed_node(mpiexec, tmp_path) -> None:
         root = tmp_path / (slow or "healthy")
         cmd = _doctor(root)
         t0 = time.monotonic()
-        out = run_mpiexec(mpiexec, ["-n", "2", "-env", "SLURMD_NODENAME", "a", "-env", "HPCTRAIN_DOCTOR_SLOW", slow]
-                          + cmd, ["-n", "2", "-env", "SLURMD_NODENAME", "b", "-env", "HPCTRAIN_DOCTOR_SLOW", slow]
-                          + cmd)
+        seam = ["-env", "PYTHONPATH", str(PLUGINS), "-env", "SEAM_DOCTOR_SLOW", slow]
+        out = run_mpiexec(mpiexec, ["-n", "2", "-env", "SLURMD_NODENAME", "a", *seam] + cmd,
+                          ["-n", "2", "-env", "SLURMD_NODENAME", "b", *seam] + cmd)
         seconds = time.monotonic() - t0
         report = json.loads((only_run_dir(root) / "doctor.json").read_text())
         if not slow:
@@ -45,7 +46,7 @@ def test_doctor_under_mpiexec_flags_the_slowed_node(mpiexec, tmp_path) -> None:
         assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
         assert "FAILED nodes: b" in out.stdout and "exclude them: --exclude=b" in out.stdout
         assert report["failed_nodes"] == ["b"]
-        record("a node slowed 10x (HPCTRAIN_DOCTOR_SLOW) under mpiexec, 2 named nodes x 2 ranks", "hpctrain doctor "
+        record("a node slowed 10x (SEAM_DOCTOR_SLOW) under mpiexec, 2 named nodes x 2 ranks", "hpctrain doctor "
                "--here exits 1 naming it, with --exclude=b", seconds, "mpi")
 
 
@@ -69,13 +70,14 @@ def test_doctor_submitted_to_slurm(slurm_cluster, tmp_path, monkeypatch) -> None
     # set by hpctrain for the mpich wheel before MPI starts (rendezvous.mpi_environment): the summary shows it
     assert "MPIR_CVAR_CH4_NETMOD=ofi" in out.stdout
     _when_idle()
-    monkeypatch.setenv("HPCTRAIN_DOCTOR_SLOW", "n2")  # through sbatch's environment to the tasks
+    for var, value in seam_env(SEAM_DOCTOR_SLOW="n2").items():  # through sbatch's environment to the tasks
+        monkeypatch.setenv(var, value)
     t0 = time.monotonic()
     out = hpctrain("doctor", str(EXAMPLE), "--json", "--set", f"job.run_root={tmp_path / 'slowed'}", timeout=400)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)  # --json: only the report on stdout, the job's progress on stderr
     assert report["failed_nodes"] == ["n2"] and report["exclude"] == "--exclude=n2"
-    record("a node slowed 10x (HPCTRAIN_DOCTOR_SLOW) in a 2-node Slurm job", "hpctrain doctor exits 1 with "
+    record("a node slowed 10x (SEAM_DOCTOR_SLOW) in a 2-node Slurm job", "hpctrain doctor exits 1 with "
            "--exclude=n2 (JSON with --json)", time.monotonic() - t0, "slurm")
 
 
@@ -87,7 +89,8 @@ def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, mon
         why = f"the local cluster has {len(set(nodes))} node(s); this test needs 3 (slurm/cluster.sh up, the default)"
         pytest.fail(why) if required("HPCTRAIN_REQUIRE_SLURM") else pytest.skip(why)
     _when_idle()
-    monkeypatch.setenv("HPCTRAIN_DOCTOR_SLOW", "n1")
+    for var, value in seam_env(SEAM_DOCTOR_SLOW="n1").items():
+        monkeypatch.setenv(var, value)
     t0 = time.monotonic()
     out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", "--set",
                    "job.preflight=true", "--set", "train.steps=20", "--set", "train.log_every=10", timeout=600)

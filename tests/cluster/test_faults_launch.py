@@ -3,8 +3,8 @@
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/test_faults_launch.py
 
 Real processes under `mpiexec -n 2` (the mpich wheel) and on the local Slurm cluster. Faults come from outside
-(SIGKILL to a rank's pid, found by its launcher's environment in /proc) or from the hidden hook
-HPCTRAIN_FAULT=<raise|SIGNAME>:<rank>:<rendezvous|ready> (hpctrain/job/session.py). Each test records its fault and
+(SIGKILL to a rank's pid, found by its launcher's environment in /proc) or from the test seam
+SEAM_FAULT=<raise|SIGNAME>:<rank>:<rendezvous|ready> (tests/plugins/seams.py). Each test records its fault and
 the time until every rank was gone (tests/faults.py). Ranks stopped or asleep inside a step are the hang
 watchdog's: tests/cluster/test_hang.py and tests/multiproc/test_hang_local.py.
 """
@@ -24,7 +24,7 @@ from faults import record
 from launches import Launch, mpi_train, rank_pids, wait_for_pids, wait_gone
 from launches import sets as _sets
 
-from helpers import EXAMPLE, REPO, tool
+from helpers import EXAMPLE, REPO, seam_env, tool
 
 pytestmark = pytest.mark.faults
 TIMEOUT_S = 8  # parallel.timeout_s of the MPI runs (the hang watchdog speaks after half of it)
@@ -91,17 +91,17 @@ def test_raising_rank_ends_mpi_launch(mpiexec, tmp_path) -> None:
     """Rank 1 raises once the mesh is up while rank 0 goes on into training: the launch ends at once, long before
     rank 0's collective would time out."""
     root = tmp_path / "runs"
-    launch = Launch(_mpi_train(root, f"parallel.timeout_s={TIMEOUT_S * 4}"), {"HPCTRAIN_FAULT": "raise:1:ready"})
+    launch = Launch(_mpi_train(root, f"parallel.timeout_s={TIMEOUT_S * 4}"), seam_env(SEAM_FAULT="raise:1:ready"))
     pids: dict[int, int] = {}
     try:
         pids = wait_for_pids(b"PMI_RANK", str(root), 2)
-        _wait_for_file_text(f"{root}/*/logs/rank00001.log", "HPCTRAIN_FAULT", 120)
+        _wait_for_file_text(f"{root}/*/logs/rank00001.log", "SEAM_FAULT", 120)
         gone = wait_gone([*pids.values(), launch.proc.pid], TIMEOUT_S * 4 + 20)
     finally:
         launch.kill(list(pids.values()))
     assert gone is not None and gone < 5, f"ranks alive {gone} s after the exception:\n{launch.output[-3000:]}"
     assert launch.proc.returncode != 0
-    assert "RuntimeError: HPCTRAIN_FAULT: injected failure on rank 1 at ready" in launch.output
+    assert "RuntimeError: SEAM_FAULT: injected failure on rank 1 at ready" in launch.output
     assert "failed: MPI_Abort ends the launch" in launch.output and "Timed out" not in launch.output
     record("exception on rank 1 after start-up (mpiexec -n 2)", "traceback printed, MPI_Abort ends both ranks at "
            "once (no collective timeout), exit non-zero", gone, "mpi")
@@ -112,7 +112,7 @@ def _slurm_kill(tmp_path: Path, when: str, sig: signal.Signals = signal.SIGKILL,
     """hpctrain submit --wait on the 2-node cluster; rank 1 gets `sig` mid-training (from here) or SIGKILL during
     start-up (the hook). Returns the seconds until the four tasks were gone, and the finished submit."""
     root = tmp_path / "runs"
-    hook = {"HPCTRAIN_FAULT": "SIGKILL:1:rendezvous"} if when == "startup" else {}
+    hook = seam_env(SEAM_FAULT="SIGKILL:1:rendezvous") if when == "startup" else {}
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *_sets(f"job.run_root={root}", f"parallel.timeout_s={timeout_s}", "job.wait_timeout_s=5",
                             *SMALL)], hook)
@@ -124,7 +124,7 @@ def _slurm_kill(tmp_path: Path, when: str, sig: signal.Signals = signal.SIGKILL,
         if when == "startup":  # rank 1 may be gone before all four were seen: collect the others meanwhile
             err = f"{root}/*/submitit/{job_id}_1_log.err"
             t0 = time.monotonic()
-            while not ({0, 2, 3} <= set(pids) and _file_has(err, "HPCTRAIN_FAULT")):
+            while not ({0, 2, 3} <= set(pids) and _file_has(err, "SEAM_FAULT")):
                 assert time.monotonic() - t0 < 120, f"rank 1 never reached the fault (tasks seen: {pids})"
                 pids |= rank_pids(b"SLURM_PROCID", str(root))
                 time.sleep(0.05)
@@ -174,7 +174,7 @@ def test_raising_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
     root = tmp_path / "runs"
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *_sets(f"job.run_root={root}", "parallel.timeout_s=60", "job.wait_timeout_s=120", *SMALL)],
-                    {"HPCTRAIN_FAULT": "raise:1:ready"})
+                    seam_env(SEAM_FAULT="raise:1:ready"))
     pids: dict[int, int] = {}
     job_id = None
     try:
@@ -182,7 +182,7 @@ def test_raising_rank_ends_slurm_job(slurm_cluster, tmp_path) -> None:
         job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
         err = f"{root}/*/submitit/{job_id}_1_log.err"
         t0 = time.monotonic()
-        while not _file_has(err, "HPCTRAIN_FAULT"):
+        while not _file_has(err, "SEAM_FAULT"):
             assert time.monotonic() - t0 < 120, "rank 1 never reached the fault"
             pids |= rank_pids(b"SLURM_PROCID", str(root))
             time.sleep(0.05)
@@ -308,7 +308,7 @@ def test_preemption_during_startup(mpiexec, tmp_path, sig, rank, point) -> None:
     the model is about to be built): no rank dies of it; the ranks agree to stop before the first step, and
     rank 0 asks for the requeue; no traceback anywhere."""
     root = tmp_path / "runs"
-    launch = Launch(_mpi_train(root, "train.steps=20"), {"HPCTRAIN_FAULT": f"{sig}:{rank}:{point}"})
+    launch = Launch(_mpi_train(root, "train.steps=20"), seam_env(SEAM_FAULT=f"{sig}:{rank}:{point}"))
     try:
         launch.proc.wait(timeout=120)
     finally:

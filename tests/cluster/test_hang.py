@@ -2,7 +2,7 @@
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/test_hang.py
 
-A rank stopped (SIGSTOP, from the HPCTRAIN_FAULT hook inside a step's forward) or asleep inside a step: every
+A rank stopped (SIGSTOP, from the SEAM_FAULT test seam inside a step's forward) or asleep inside a step: every
 rank is gone within parallel.hang_timeout_s plus a margin, every live rank left its stacks and flight recorder in
 hang/, and `hpctrain diagnose` names the culprit and its node. On Slurm `submit --wait` exits 1 with the hang
 and a slowed rank is named as the straggler with its node. The local-executor case is
@@ -18,7 +18,7 @@ import pytest
 from faults import record
 from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, mpi_train, sets
 
-from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, tool
+from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, seam_env, tool
 
 pytestmark = pytest.mark.faults
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.faults
 def test_hung_rank_mpiexec(mpiexec, tmp_path, action) -> None:
     """mpiexec -n 4 (tp=2 x dp=2): rank 3 stops, or sleeps, in step 3's forward."""
     root = tmp_path / "runs"
-    launch = Launch(mpi_train(root, 4, *HANG_SETS), {"HPCTRAIN_FAULT": f"{action}:3:forward3"})
+    launch = Launch(mpi_train(root, 4, *HANG_SETS), seam_env(SEAM_FAULT=f"{action}:3:forward3"))
     stopped = action == "SIGSTOP"
     gone, _ = hang_run(launch, b"PMI_RANK", root, 4, culprit=3, stopped=stopped)
     assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
@@ -57,7 +57,7 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *sets(f"job.run_root={root}", "job.wait_timeout_s=30", *HANG_SETS,
                            f"parallel.startup_timeout_s={long_s}", "job.node_requeues=1")],
-                    {"HPCTRAIN_FAULT": "SIGSTOP:2:forward"})
+                    seam_env(SEAM_FAULT="SIGSTOP:2:forward"))
     launch.wait_for(r"submitted job \d+", 60)
     job_id = re.search(r"submitted job (\d+)", launch.output).group(1)
     gone, _ = hang_run(launch, b"SLURM_PROCID", root, 4, culprit=2, stopped=True, cancel=["scancel", job_id],
@@ -92,7 +92,7 @@ def test_straggler_named_with_its_node_slurm(slurm_cluster, tmp_path) -> None:
                                 "checkpoint.at_end=false", "data.source=synthetic", "model.n_layers=1",
                                 "model.dim=64", "parallel.tp=1", *STRAGGLER_SETS)],
                          capture_output=True, text=True, timeout=400,
-                         env=env_with_venv() | {"HPCTRAIN_FAULT": "sleep0.3:3:forward"})
+                         env=env_with_venv() | seam_env(SEAM_FAULT="sleep0.3:3:forward"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = read_summary(tmp_path)["train"]["stragglers"]
     assert [r["rank"] for r in summary["ranks"]] == [3] and summary["hosts"][0]["host"] == "n2", summary

@@ -3,15 +3,17 @@
 #   bash tests/device/gpu_smoke.sh              # python3 with a CUDA torch, mpi4py, h5py, click on PATH
 #   DEV=cpu PY=.venv/bin/python bash tests/device/gpu_smoke.sh    # the same steps on CPU/gloo, fp32
 # 1 hpctrain doctor --here (CUDA device, bf16 GEMM against job.gpu = h100-sxm, storage, environment), 2 the same
-# with the node slowed 10x (HPCTRAIN_DOCTOR_SLOW: the datasheet rule must fail it, exit 1), 3 training with
+# with the node slowed 10x (SEAM_DOCTOR_SLOW: the datasheet rule must fail it, exit 1), 3 training with
 # job.preflight (the CUDA-event straggler clock), 4 a rank asleep in step 8's forward (watchdog, NCCL flight
 # recorder, diagnose; exit 1), 5 hpctrain bench on the job's backend by nccl-tests' definition (-a 1 -z 0), 6 bench
 # --backend mpi in a GPU job (host buffers; said and skipped where no mpiexec or MPI library is there), 7 async saves on
 # NCCL with lazy gloo and expandable_segments, then a resume from them, 8 the gradient norm of a rank without
 # gradients reduced over a "cpu:gloo,cuda:nccl" group on the parameters' device. Each step prints its exit status;
-# outputs go to $OUT (default /tmp/devout).
+# outputs go to $OUT (default /tmp/devout). Steps 2 and 4 run with the test seams of tests/plugins/seams.py (its
+# sitecustomize.py on PYTHONPATH reads SEAM_DOCTOR_SLOW and SEAM_FAULT).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+SEAM="env PYTHONPATH=$PWD/tests/plugins:$PWD"
 BAD=0
 expect() {  # expect WHAT WANTED_RC GOT_RC
   if [ "$2" != "$3" ]; then echo "MISMATCH: $1 exited $3, expected $2"; BAD=1; fi
@@ -54,14 +56,14 @@ echo "== 1 doctor healthy"; t=$SECONDS
 timeout 240 $H doctor $ROOT/g1.toml --here --run-dir $ROOT/doc1 --storage-mb 64 > $OUT/doctor.txt 2>$OUT/doctor.err; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect doctor 0 $rc
 cat $OUT/doctor.txt; tail -5 $OUT/doctor.err
 echo "== 2 doctor slowed"; t=$SECONDS
-HPCTRAIN_DOCTOR_SLOW=$(hostname -s) timeout 240 $H doctor $ROOT/g1.toml --here --run-dir $ROOT/doc2 --storage-mb 64 > $OUT/doctor_slow.txt 2>$OUT/doctor_slow.err; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"
+$SEAM SEAM_DOCTOR_SLOW=$(hostname -s) timeout 240 $H doctor $ROOT/g1.toml --here --run-dir $ROOT/doc2 --storage-mb 64 > $OUT/doctor_slow.txt 2>$OUT/doctor_slow.err; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"
 [ "$DEV" = cuda ] && expect "slowed doctor (datasheet rule)" 1 $rc
 grep -E "FAIL|exclude" $OUT/doctor_slow.txt; tail -3 $OUT/doctor_slow.err
 echo "== 3 train with preflight"; t=$SECONDS
 timeout 240 $H train $ROOT/g1.toml --set job.preflight=true --run-dir $ROOT/tr > $OUT/train.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "train with preflight" 0 $rc
 grep -E "step +20|preflight|slow|rank_compute" $OUT/train.txt | tail -5; tail -1 $ROOT/tr/metrics.jsonl | cut -c1-400
 echo "== 4 hang"; t=$SECONDS
-HPCTRAIN_FAULT=sleep600:0:forward8 timeout 200 $H train $ROOT/g1.toml --set parallel.hang_timeout_s=8 --run-dir $ROOT/hg > $OUT/hang.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "hung run" 1 $rc
+$SEAM SEAM_FAULT=sleep600:0:forward8 timeout 200 $H train $ROOT/g1.toml --set parallel.hang_timeout_s=8 --run-dir $ROOT/hg > $OUT/hang.txt 2>&1; rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "hung run" 1 $rc
 tail -3 $OUT/hang.txt; ls $ROOT/hg/hang
 $PY -c "import json,sys;d=json.load(open('$ROOT/hg/hang/rank00000.fr.json'));print({k:(len(v.get('entries',[])) if isinstance(v,dict) else v) for k,v in d.items()})"
 $H diagnose $ROOT/hg | tee $OUT/diagnose.txt; rc=${PIPESTATUS[0]}; expect diagnose 1 $rc

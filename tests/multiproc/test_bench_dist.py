@@ -40,7 +40,7 @@ def _cases(out: Path, world: int) -> list:
         ("bf16_sum", ["all", *BIG, "-d", "bfloat16"]),
         ("int8_prod", ["all", *SMALL, "-d", "int8", "-o", "prod"]),
         ("half_min", ["all", *SMALL, "-d", "half", "-o", "min"]),
-        ("inject", ["all", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "--inject-wrong"]),
+        ("inject", ["all", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"]),  # the worker injects a wrong element
         ("blocking_max", ["all", *ONE_SIZE, "-a", "3", "-z", "1"]),
         ("world_time", "world_time"),
     ]

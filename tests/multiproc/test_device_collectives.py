@@ -2,9 +2,10 @@
 
 An NCCL-only process group serves only CUDA tensors; every host-tensor collective on it raises "No backend type
 associated with device type cpu". rendezvous.init_distributed therefore gives NCCL jobs a default group with gloo
-beside it ("cpu:gloo,cuda:nccl"), and every group made from it inherits both. No GPU here, so the test hook
-HPCTRAIN_EMULATE_NCCL=1 runs that path with each NCCL entry served by gloo for the same device types only: an
-NCCL-only group becomes "cuda:gloo", which refuses host tensors with NCCL's own error.
+beside it ("cpu:gloo,cuda:nccl"), and every group made from it inherits both. No GPU here, so the test seam
+emulate_nccl (tests/plugins/seams.py, patched in by the worker) runs that path with each NCCL entry served by gloo
+for the same device types only: an NCCL-only group becomes "cuda:gloo", which refuses host tensors with NCCL's
+own error.
 
 Two real ranks (Slurm's variables, file rendezvous) run tests/workers/device_collectives_worker.py, in one process
 each:
@@ -39,10 +40,11 @@ NCCL_ERROR = "No backend type associated with device type cpu"
 # --- pure: the backend string ----------------------------------------------------------------------------------
 
 def test_nccl_gets_gloo_beside_it():
+    from seams import emulated_device_backend
     from torch.distributed import Backend
     from torch.distributed.distributed_c10d import BackendConfig
 
-    from hpctrain.job.rendezvous import backend_config, emulated_device_backend
+    from hpctrain.job.rendezvous import backend_config
 
     assert backend_config("nccl") == "cpu:gloo,cuda:nccl"
     assert backend_config("gloo") == "gloo"
@@ -80,8 +82,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     procs = []
     for rank in range(2):
         env = env_with_venv() | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                                 "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": f"devcoll{os.getpid()}",
-                                 "HPCTRAIN_EMULATE_NCCL": "1"}
+                                 "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": f"devcoll{os.getpid()}"}
         cmd = [sys.executable, str(WORKERS / "device_collectives_worker.py"), str(out)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT))

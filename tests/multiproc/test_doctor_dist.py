@@ -4,7 +4,7 @@ spawn running every case in turn (tests/workers/doctor_worker.py).
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_doctor_dist.py
 
 A healthy run passes with every communicator measured (tp = intra, dp = inter, world), results checked, both
-nodes' storage, clocks and environment; a node slowed 10x by the test switch (HPCTRAIN_DOCTOR_SLOW) fails and is
+nodes' storage, clocks and environment; a node slowed 10x by the test seam (SEAM_DOCTOR_SLOW) fails and is
 named in the --exclude= line on every rank; job.preflight with that node, outside Slurm, fails the training job
 with the table before any model is built, and passes a healthy one into training; a preemption signal stops
 the preflight on every rank and the training job requeues without training, as it would before its first step.
@@ -50,7 +50,7 @@ def test_doctor_on_four_ranks(tmp_path) -> None:
 
     slowed = _seen(tmp_path, "slowed")
     assert all(s["failed_nodes"] == ["node1"] and s["exclude"] == "--exclude=node1" for s in slowed), slowed[0]
-    record("a node slowed 10x (HPCTRAIN_DOCTOR_SLOW), 4 ranks on 2 nodes", "hpctrain doctor fails it by the median "
+    record("a node slowed 10x (SEAM_DOCTOR_SLOW), 4 ranks on 2 nodes", "hpctrain doctor fails it by the median "
            "and names it in its --exclude= line on every rank", tier="unit")
 
     failing = _seen(tmp_path, "preflight_slowed")

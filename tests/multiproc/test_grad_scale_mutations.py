@@ -4,7 +4,7 @@ AdamW is invariant to a constant factor on the gradients, so a dp reduction that
 missing 1/grad_accum leaves losses (and nearly the weights) where they were; before the equivalence tests compared
 the pre-clip gradient norm, such a bug showed only when it changed which steps gradient clipping touched. Here one
 4-rank spawn (tp=2 x dp=2, grad_accum=2, train.grad_clip=0, 8 steps) trains the layout clean and with each
-deliberate bug of hpctrain.train.mutations.gradient_mutation (HPCTRAIN_TEST_MUTATION); the comparison
+deliberate bug of tests/plugins/seams.py (gradient_mutation, patched into the ranks' Trainer); the comparison
 tests/multiproc/test_train_equivalence.py uses (helpers.compare_runs) must pass the clean run and fail every mutated
 one on the gradient norm, while a loss-only comparison passes the scale bugs (the blind spot the norm check
 closes).
@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from seams import MUTATIONS, check_mutation
 
 from helpers import (
     LOSS_TOL,
@@ -26,7 +27,6 @@ from helpers import (
     run_case,
     spawn_train_worker,
 )
-from hpctrain.train.mutations import MUTATION_ENV, MUTATIONS, gradient_mutation
 
 CLIP_OFF = ["train.grad_clip=0"]  # nothing clipped: the losses cannot see a gradient scale
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2", "train.grad_accum=2"] + CLIP_OFF
@@ -72,16 +72,13 @@ def test_loss_only_comparison_is_blind_to_the_mutation(runs, mutation) -> None:
     compare_losses(runs[mutation], runs["ref"], LOSS_TOL)
 
 
-def test_mutation_hook_refuses_what_it_cannot_do(monkeypatch) -> None:
-    monkeypatch.delenv(MUTATION_ENV, raising=False)
-    assert gradient_mutation(dp=2, tp=2, pp=1, grad_accum=2) is None  # unset: the normal trainer
-    monkeypatch.setenv(MUTATION_ENV, "dp_double")
+def test_mutation_hook_refuses_what_it_cannot_do() -> None:
+    check_mutation("dp_sum", dp=2, tp=2, pp=1, grad_accum=2)
     with pytest.raises(ValueError, match="not one of dp_sum, no_accum_div, tp_double"):
-        gradient_mutation(dp=2, tp=2, pp=1, grad_accum=2)
+        check_mutation("dp_double", dp=2, tp=2, pp=1, grad_accum=2)
     for name, layout in [("dp_sum", {"dp": 1, "tp": 2, "pp": 1, "grad_accum": 2}),
                          ("no_accum_div", {"dp": 2, "tp": 2, "pp": 1, "grad_accum": 1}),
                          ("no_accum_div", {"dp": 1, "tp": 1, "pp": 2, "grad_accum": 4}),
                          ("tp_double", {"dp": 2, "tp": 1, "pp": 1, "grad_accum": 2})]:
-        monkeypatch.setenv(MUTATION_ENV, name)
         with pytest.raises(ValueError, match=f"{name} needs"):
-            gradient_mutation(**layout)
+            check_mutation(name, **layout)

@@ -19,7 +19,7 @@ import pytest
 from faults import record
 from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, sets
 
-from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, tool
+from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, seam_env, tool
 
 
 @pytest.mark.parametrize("step", [3, 1])
@@ -27,7 +27,7 @@ def test_stopped_rank_local_processes(tmp_path, step) -> None:
     root = tmp_path / "runs"
     launch = Launch([tool("hpctrain"), "submit", str(EXAMPLE), "--wait",
                      *sets(f"job.run_root={root}", "job.executor=local", "job.wait_timeout_s=30", *HANG_SETS)],
-                    {"HPCTRAIN_FAULT": f"SIGSTOP:1:forward{step}"})
+                    seam_env(SEAM_FAULT=f"SIGSTOP:1:forward{step}"))
     gone, pids = hang_run(launch, b"SUBMITIT_LOCAL_GLOBALID", root, 4, culprit=1, stopped=True)
     assert gone is not None and gone < HANG_S + GONE_MARGIN_S, (gone, launch.output[-3000:])
     assert launch.proc.returncode == 1 and "hang on rank" in launch.output, launch.output[-3000:]
@@ -54,7 +54,7 @@ def test_slow_rank_is_named_a_straggler(tmp_path) -> None:
                                 "train.log_every=4", "checkpoint.at_end=false", "data.source=synthetic",
                                 "model.n_layers=1", "model.dim=64", "parallel.tp=1", *STRAGGLER_SETS)],
                          capture_output=True, text=True, timeout=300,
-                         env=env_with_venv() | {"HPCTRAIN_FAULT": "sleep0.3:2:forward"})
+                         env=env_with_venv() | seam_env(SEAM_FAULT="sleep0.3:2:forward"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = read_summary(tmp_path)["train"]["stragglers"]
     assert summary["log_intervals"] == 4, summary  # steps 1, 4, 8, 12

@@ -18,6 +18,7 @@ import time
 import weakref
 
 import pytest
+import seams
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -179,7 +180,8 @@ def test_data_movement_values_differ_between_members(dtype):
 
 def test_harness_at_128_members_right_result_and_injection():
     """run_placement on a stand-in all-reduce that writes the right bf16 result of 128 members: 0 wrong; with
-    --inject-wrong exactly 1, also where element 0 sums to 256 and 256 + 1 rounds back to 256 in bf16."""
+    one wrong element injected (tests/plugins/seams.py) exactly 1, also where element 0 sums to 256 and 256 + 1
+    rounds back to 256 in bf16."""
     n, T = 128, 4096
     seed = next(s for s in range(100) if int(Pattern(s, torch.bfloat16, "sum", n).reduced(torch.arange(1))) == 256)
     opts = Options(colls=["all_reduce"], sizes=[2 * T], iters=1, warmup=0, dtype="bfloat16", seed=seed)
@@ -192,8 +194,9 @@ def test_harness_at_128_members_right_result_and_injection():
     right = dataclasses.replace(COLLS["all_reduce"], run_torch=write_right)
     ctx = Ctx(idx=0, members=list(range(n)), inplace=True)  # the root: it injects
     for inject, wrong in ((False, 0), (True, 1)):
-        res = harness.run_placement(right, ctx, T, dataclasses.replace(opts, inject_wrong=inject),
-                                    torch.device("cpu"), inputs, lambda x: x, lambda x: x, lambda: None)
+        with seams.wrong_element() if inject else contextlib.nullcontext():
+            res = harness.run_placement(right, ctx, T, opts, torch.device("cpu"), inputs, lambda x: x, lambda x: x,
+                                        lambda: None)
         assert res["wrong"] == wrong, inject
 
 

@@ -10,6 +10,7 @@ import copy
 import json
 
 import pytest
+import seams
 from click.testing import CliRunner
 
 from helpers import EXAMPLE, refused
@@ -335,13 +336,11 @@ def test_hostlist_round_trips_and_refusals():
     refused(hostlist.expand, "n[a]", fragments=["'a' is not a number"])
 
 
-def test_turns_and_the_slow_switch(monkeypatch):
+def test_turns_and_the_slow_switch():
     # CPU ranks of one host take turns; units on different hosts share a turn; GPUs all at once
     assert doctor._turns([{"h"}, {"h"}, {"g"}, {"h", "g"}], share=True) == [0, 1, 0, 2]
     assert doctor._turns([{"h"}, {"h"}], share=False) == [0, 0]
-    monkeypatch.setenv("HPCTRAIN_DOCTOR_SLOW", "n2:5")
-    assert doctor.slow_factor("n2") == 5.0 and doctor.slow_factor("n1") == 1.0
-    monkeypatch.setenv("HPCTRAIN_DOCTOR_SLOW", "n2")
-    assert doctor.slow_factor("n2") == 10.0
-    monkeypatch.delenv("HPCTRAIN_DOCTOR_SLOW")
-    assert doctor.slow_factor("n2") == 1.0
+    # the test seam that slows a node (tests/plugins/seams.py): SEAM_DOCTOR_SLOW=<node>[:factor]
+    assert seams.slow_factor("n2:5", "n2") == 5.0 and seams.slow_factor("n2:5", "n1") == 1.0
+    assert seams.slow_factor("n2", "n2") == 10.0
+    assert seams.slow_factor("", "n2") == 1.0

@@ -4,15 +4,19 @@ with torchrun's variables).
 Runs several cases in one process to pay for `import torch` once; each case gets its own port and run root.
 A case is either a `hpctrain bench` command line (run in-process through the click command), "hier", which
 compares the two-level all-reduce with the flat one on the session's own intra/inter groups, or "world_time",
-which combines the known times rank + 1 over the ranks for each -a. Writes what happened per case to
+which combines the known times rank + 1 over the ranks for each -a. The case named "inject" runs with one wrong
+element in the check (tests/plugins/seams.py's wrong_element). Writes what happened per case to
 <out>/rank<r>.json.
 """
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+import seams  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from hpctrain.bench import colls, harness, pattern
@@ -75,7 +79,8 @@ def main(out: str, example: str, base_port: int, cases_json: str) -> None:
                 with session.start(cfg) as s:
                     record[name] = _hier_case(s) if argv == "hier" else _world_time_case(s)
             else:
-                cli.main(["bench", *argv, "--config", example, *sets], standalone_mode=False)
+                with seams.wrong_element() if name == "inject" else contextlib.nullcontext():
+                    cli.main(["bench", *argv, "--config", example, *sets], standalone_mode=False)
                 record[name] = {"ok": True}
         except Exception as e:  # recorded for the test to judge; every rank must fail alike
             record[name] = {"error": f"{type(e).__name__}: {e}"}

@@ -1,7 +1,7 @@
 """One rank of tests/multiproc/test_device_collectives.py (2 ranks with Slurm's variables, file rendezvous, the
-NCCL code path emulated on gloo by HPCTRAIN_EMULATE_NCCL=1): the control collectives on the default group NCCL
-alone would give, then on ours (and the gradient norm of a pipeline rank without gradients), then training with
-asynchronous and final saves and a resume. Writes OUT/rank<r>.json.
+NCCL code path emulated on gloo by tests/plugins/seams.py's emulate_nccl): the control collectives on the default
+group NCCL alone would give, then on ours (and the gradient norm of a pipeline rank without gradients), then
+training with asynchronous and final saves and a resume. Writes OUT/rank<r>.json.
 
     python tests/workers/device_collectives_worker.py OUT
 """
@@ -119,10 +119,12 @@ def _train(overrides: list[str]) -> dict:
 
 
 def worker(out: Path) -> None:
+    import seams
     import torch.distributed as dist
 
     from hpctrain.job import rendezvous
 
+    seams.emulate_nccl()
     ident = rendezvous.identify("slurm")
     rank, world = ident.rank, ident.world_size
     result: dict = {}
@@ -153,4 +155,5 @@ def worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # for seams
     worker(Path(sys.argv[1]))

@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # for seams
 os.environ["SLURMD_NODENAME"] = f"node{os.environ['GROUP_RANK']}"  # the node names the doctor blames
+import seams  # noqa: E402
+
 from helpers import EXAMPLE, each_case  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.doctor import measure as doctor
@@ -23,8 +26,11 @@ SMALL = ["data.source=synthetic", "model.n_layers=1", "model.dim=64", "train.ste
 
 def main(out: str, cases_json: str, base_port: int) -> None:
     def case(c: dict) -> None:
-        os.environ.pop("HPCTRAIN_DOCTOR_SLOW", None)
-        os.environ.update({"HPCTRAIN_DOCTOR_SLOW": c["slow"]} if c.get("slow") else {})
+        with seams.doctor_slow(c.get("slow")):  # "slow": a node, as SEAM_DOCTOR_SLOW names it
+            seen = run(c)
+        Path(out, f"{c['name']}-rank{os.environ['RANK']}.json").write_text(json.dumps(seen, default=str))
+
+    def run(c: dict) -> dict:
         cfg = load_config(EXAMPLE, SMALL + [f"job.run_root={out}/{c['name']}"] + c.get("sets", []))
         seen: dict = {}
         if c["kind"] == "doctor":
@@ -42,7 +48,7 @@ def main(out: str, cases_json: str, base_port: int) -> None:
                 seen["summary"] = train.run(cfg)
             except RuntimeError as e:
                 seen["raised"] = str(e)
-        Path(out, f"{c['name']}-rank{os.environ['RANK']}.json").write_text(json.dumps(seen, default=str))
+        return seen
     each_case(out, cases_json, base_port, case)
 
 
