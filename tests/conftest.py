@@ -1,4 +1,4 @@
-"""Fixtures for the real MPI and Slurm tiers; everything else the tests share is in tests/helpers.py.
+"""Fixtures for the real MPI and Slurm tiers; everything else the tests share is in tests/helpers/ (by domain).
 
 Tests live in tier folders (pure/, multiproc/, cluster/) and import helpers (and faults) from here: this file puts
 tests/ on sys.path before any test module is imported, and tests/plugins (the test seams, seams.py).
@@ -20,7 +20,7 @@ for _path in (TESTS, str(Path(TESTS) / "plugins")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from helpers import required, tool  # noqa: E402
+from helpers.launch import required, tool  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -89,7 +89,7 @@ def ours_as_hf(weights: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.
 
 def project_paragraphs(count: int = 60) -> list[str]:
     """Documents from this project's own files: paragraphs of README.md, the docs/ pages and the package's modules."""
-    from helpers import REPO
+    from helpers.launch import REPO
 
     files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "hpctrain").rglob("*.py"))]
     text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import EXAMPLE, REPO, env_with_venv, tool
+from helpers.launch import EXAMPLE, REPO, env_with_venv, tool
 
 # The hang tests' job: a model small enough that a step takes milliseconds, on generated tokens, a watchdog that
 # speaks after HANG_S of no progress (well before the 60 s collective timeout)

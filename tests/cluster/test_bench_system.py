@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from helpers import EXAMPLE, hpctrain, only_run_dir, run_mpiexec
+from helpers.launch import EXAMPLE, hpctrain, run_mpiexec
+from helpers.runs import only_run_dir
 
 SMALL = ["-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1"]
 

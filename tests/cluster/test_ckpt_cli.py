@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner, Result
 
-from helpers import EXAMPLE, REPO, env_with_venv, only_run_dir, tool
+from helpers.launch import EXAMPLE, REPO, env_with_venv, tool
+from helpers.runs import only_run_dir
 from hpctrain.checkpoint import HDF5Reader, HDF5Writer
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config

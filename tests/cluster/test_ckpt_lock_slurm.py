@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import write_lock
+from helpers.locks import write_lock
 from hpctrain.checkpoint.lock import CheckpointDirLocked, acquire
 
 

@@ -18,7 +18,8 @@ import time
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, PLUGINS, hpctrain, only_run_dir, required, run_mpiexec, seam_env
+from helpers.launch import EXAMPLE, PLUGINS, hpctrain, required, run_mpiexec, seam_env
+from helpers.runs import only_run_dir
 
 
 def _doctor(root, *extra: str) -> list[str]:

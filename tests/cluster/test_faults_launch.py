@@ -24,7 +24,7 @@ from faults import record
 from launches import Launch, mpi_train, rank_pids, wait_for_pids, wait_gone
 from launches import sets as _sets
 
-from helpers import EXAMPLE, REPO, seam_env, tool
+from helpers.launch import EXAMPLE, REPO, seam_env, tool
 
 pytestmark = pytest.mark.faults
 TIMEOUT_S = 8  # parallel.timeout_s of the MPI runs (the hang watchdog speaks after half of it)

@@ -18,7 +18,8 @@ import pytest
 from faults import record
 from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, mpi_train, sets
 
-from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, seam_env, tool
+from helpers.launch import EXAMPLE, env_with_venv, seam_env, tool
+from helpers.runs import only_run_dir, read_summary
 
 pytestmark = pytest.mark.faults
 

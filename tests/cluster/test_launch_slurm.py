@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from faults import record
 
-from helpers import EXAMPLE
+from helpers.launch import EXAMPLE
 from hpctrain.config import load_config
 from hpctrain.job import launch
 

@@ -16,7 +16,8 @@ import time
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, REPO, env_with_venv, read_summary, run_mpiexec, tool
+from helpers.launch import EXAMPLE, REPO, env_with_venv, run_mpiexec, tool
+from helpers.runs import read_summary
 
 pytestmark = pytest.mark.mpi
 

@@ -12,7 +12,8 @@ import time
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, REPO, env_with_venv, hpctrain, only_run_dir, read_summary, tool
+from helpers.launch import EXAMPLE, REPO, env_with_venv, hpctrain, tool
+from helpers.runs import only_run_dir, read_summary
 from hpctrain.checkpoint.manager import committed
 
 pytestmark = pytest.mark.slurm

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, REPO, assert_bitwise_equal, env_with_venv, hpctrain, only_run_dir, stored_datasets, tool
+from helpers.ckpt_bytes import assert_bitwise_equal, stored_datasets
+from helpers.launch import EXAMPLE, REPO, env_with_venv, hpctrain, tool
+from helpers.runs import only_run_dir
 from hpctrain.checkpoint.manager import committed
 
 pytestmark = pytest.mark.slurm

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLE, WORKERS, free_base_port, only_run_dir, spawn_ranks
+from helpers.launch import EXAMPLE, WORKERS, free_base_port, spawn_ranks
+from helpers.runs import only_run_dir
 from hpctrain.bench.colls import COLLS
 from hpctrain.bench.sweep import bus_factor
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from faults import record
 
-from helpers import WORKERS, assert_bitwise_equal, free_base_port, spawn_ranks, stored_datasets
+from helpers.ckpt_bytes import assert_bitwise_equal, stored_datasets
+from helpers.launch import WORKERS, free_base_port, spawn_ranks
 from hpctrain.checkpoint.manager import committed
 
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]

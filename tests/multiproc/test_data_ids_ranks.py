@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from faults import record
 
-from helpers import WORKERS, free_base_port, spawn_ranks
+from helpers.launch import WORKERS, free_base_port, spawn_ranks
 from hpctrain.job import runs
 
 pytestmark = pytest.mark.faults

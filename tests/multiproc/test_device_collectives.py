@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from helpers import REPO, WORKERS, env_with_venv
+from helpers.launch import REPO, WORKERS, env_with_venv
 
 NCCL_ERROR = "No backend type associated with device type cpu"
 

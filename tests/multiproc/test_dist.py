@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from helpers import EXAMPLE, WORKERS, free_base_port, read_summary, spawn_ranks
+from helpers.launch import EXAMPLE, WORKERS, free_base_port, spawn_ranks
+from helpers.runs import read_summary
 
 CASES = [
     ("tp2dp2", ["parallel.pp=1", "parallel.tp=2", "parallel.dp=2"]),

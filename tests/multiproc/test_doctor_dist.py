@@ -16,7 +16,7 @@ from pathlib import Path
 
 from faults import record
 
-from helpers import spawn_cases
+from helpers.launch import spawn_cases
 
 CASES = [
     {"name": "healthy", "kind": "doctor"},

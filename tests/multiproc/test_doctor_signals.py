@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, REPO, WORKERS, env_with_venv
+from helpers.launch import EXAMPLE, REPO, WORKERS, env_with_venv
 from hpctrain.hostprobe import MAX_STORAGE_MB
 
 pytestmark = pytest.mark.faults

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY, spawn_cases
+from helpers.launch import spawn_cases
+from helpers.training import TINY
 from hpctrain.config import load_config
 from hpctrain.job import session
 from hpctrain.train.trainer import Trainer

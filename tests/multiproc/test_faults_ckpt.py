@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from faults import record
 
-from helpers import SMALL, flip_a_byte, hpctrain
+from helpers.ckpt_bytes import flip_a_byte
+from helpers.launch import hpctrain
+from helpers.training import SMALL
 from hpctrain import fsutil
 from hpctrain.checkpoint import hdf5_storage
 from hpctrain.checkpoint import manager as mgr_mod
@@ -445,7 +447,7 @@ FAILING_SAVE = """
 import sys
 sys.path.insert(0, {tests!r})
 from collections import namedtuple
-from helpers import SMALL
+from helpers.training import SMALL
 from hpctrain.job import session
 from hpctrain.checkpoint import manager
 from hpctrain.config import load_config
@@ -471,7 +473,7 @@ def test_failed_shard_write_ends_with_its_error(tmp_path, limit, monkeypatch) ->
     import subprocess
     import sys
 
-    from helpers import TESTS
+    from helpers.launch import TESTS
     ck = tmp_path / "ck"
     if limit == "full tmpfs":  # ENOSPC: a file system smaller than two checkpoints (mounting needs root)
         ck.mkdir()

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 from faults import record
 
-from helpers import SMALL
+from helpers.training import SMALL
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.h5file import crc32
 from hpctrain.cli.main import main as cli

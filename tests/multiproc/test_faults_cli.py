@@ -12,7 +12,7 @@ import resource
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, hpctrain
+from helpers.launch import EXAMPLE, hpctrain
 
 pytestmark = pytest.mark.faults
 

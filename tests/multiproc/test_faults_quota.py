@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import SMALL, TESTS, free_base_port, spawn_ranks
+from helpers.launch import TESTS, free_base_port, spawn_ranks
+from helpers.training import SMALL
 from hpctrain import hostprobe
 from hpctrain.checkpoint import hdf5_storage, inspection
 from hpctrain.checkpoint import manager as mgr_mod
@@ -115,7 +116,7 @@ def test_periodic_save_over_quota_is_skipped(tmp_path, monkeypatch, point, mode)
 FINAL = """
 import sys
 sys.path[:0] = [{tests!r}, {here!r}]
-from helpers import SMALL
+from helpers.training import SMALL
 from test_faults_quota import inject
 from hpctrain.job import session
 from hpctrain.config import load_config
@@ -179,7 +180,7 @@ TWO_RANKS = """
 import os, sys
 sys.path[:0] = [{tests!r}, {here!r}]
 os.environ["MASTER_PORT"] = sys.argv[1]
-from helpers import SMALL
+from helpers.training import SMALL
 from test_faults_quota import inject
 from hpctrain.job import session
 from hpctrain.config import load_config

@@ -5,9 +5,9 @@ missing 1/grad_accum leaves losses (and nearly the weights) where they were; bef
 the pre-clip gradient norm, such a bug showed only when it changed which steps gradient clipping touched. Here one
 4-rank spawn (tp=2 x dp=2, grad_accum=2, train.grad_clip=0, 8 steps) trains the layout clean and with each
 deliberate bug of tests/plugins/seams.py (gradient_mutation, patched into the ranks' Trainer); the comparison
-tests/multiproc/test_train_equivalence.py uses (helpers.compare_runs) must pass the clean run and fail every mutated
-one on the gradient norm, while a loss-only comparison passes the scale bugs (the blind spot the norm check
-closes).
+tests/multiproc/test_train_equivalence.py uses (helpers.training.compare_runs) must pass the clean run and fail
+every mutated one on the gradient norm, while a loss-only comparison passes the scale bugs (the blind spot
+the norm check closes).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from seams import MUTATIONS, check_mutation
 
-from helpers import (
+from helpers.training import (
     LOSS_TOL,
     NORM_RTOL,
     WEIGHT_TOL,

@@ -19,7 +19,8 @@ import pytest
 from faults import record
 from launches import GONE_MARGIN_S, HANG_S, HANG_SETS, STRAGGLER_SETS, Launch, check_hang, hang_run, sets
 
-from helpers import EXAMPLE, env_with_venv, only_run_dir, read_summary, seam_env, tool
+from helpers.launch import EXAMPLE, env_with_venv, seam_env, tool
+from helpers.runs import only_run_dir, read_summary
 
 
 @pytest.mark.parametrize("step", [3, 1])

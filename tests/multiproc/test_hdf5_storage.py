@@ -18,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from helpers import WORKERS, free_base_port, reference, spawn_ranks
+from helpers.ckpt_bytes import reference
+from helpers.launch import WORKERS, free_base_port, spawn_ranks
 from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.checkpoint.h5file import chunk_shape as _chunk_shape
 from hpctrain.checkpoint.index import json_decode, json_encode

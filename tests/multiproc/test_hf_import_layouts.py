@@ -18,7 +18,7 @@ import torch
 from faults import record
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
-from helpers import WORKERS, free_base_port, spawn_cases, spawn_ranks
+from helpers.launch import WORKERS, free_base_port, spawn_cases, spawn_ranks
 from hpctrain.model.dims import ModelDims
 
 RUN = ["model.max_seq_len=64", "data.source=synthetic", "data.seq_len=16", "train.steps=1", "train.log_every=100",

@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from helpers import TINY, WORKERS, free_base_port, spawn_ranks, touched
+from helpers.launch import WORKERS, free_base_port, spawn_ranks
+from helpers.training import TINY, touched
 from hpctrain.config import load_config
 from hpctrain.model.transformer import init_value
 

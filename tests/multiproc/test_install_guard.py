@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import REPO
+from helpers.launch import REPO
 
 pytestmark = pytest.mark.faults
 

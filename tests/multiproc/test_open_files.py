@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from helpers import EXAMPLE, REPO, WORKERS, env_with_venv, tool
+from helpers.launch import EXAMPLE, REPO, WORKERS, env_with_venv, tool
 
 pytestmark = pytest.mark.faults
 

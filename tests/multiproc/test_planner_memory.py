@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import WORKERS, free_base_port, spawn_ranks
+from helpers.launch import WORKERS, free_base_port, spawn_ranks
 from hpctrain.config import load_config
 from hpctrain.parallel.plan import make_plan
 from hpctrain.planner.memory import Coords, max_model_states, model_states
@@ -62,7 +62,7 @@ TOL = 0.01
 
 
 def config(case: dict):
-    from helpers import SMALL
+    from helpers.training import SMALL
     return load_config(None, SMALL + case["overrides"])
 
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 from faults import record
 
-from helpers import BIN, EXAMPLE, REPO, env_with_venv, only_run_dir
+from helpers.launch import BIN, EXAMPLE, REPO, env_with_venv
+from helpers.runs import only_run_dir
 from hpctrain.checkpoint.manager import committed
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, env_with_venv
+from helpers.launch import REPO, env_with_venv
 from hpctrain.job import netaddr
 
 WORKER = r"""

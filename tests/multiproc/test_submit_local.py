@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from helpers import EXAMPLE, hpctrain, only_run_dir, read_summary
+from helpers.launch import EXAMPLE, hpctrain
+from helpers.runs import only_run_dir, read_summary
 
 
 def test_local_executor_completes(tmp_path) -> None:

@@ -7,7 +7,8 @@ import json
 
 from click.testing import CliRunner
 
-from helpers import EXAMPLE, hpctrain, only_run_dir
+from helpers.launch import EXAMPLE, hpctrain
+from helpers.runs import only_run_dir
 from hpctrain.cli.main import main as cli
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2", "--set", "data.seq_len=32",

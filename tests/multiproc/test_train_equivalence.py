@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from helpers import (
+from helpers.training import (
     BF16_LOSS_TOL,
     BF16_NORM_RTOL,
     LOSS_TOL,

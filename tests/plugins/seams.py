@@ -9,7 +9,7 @@ In a test process or a worker script, with tests/plugins on sys.path (tests/conf
     with seams.doctor_slow("node1:5"): ...        # that node's doctor measures 5x slower
     seams.emulate_nccl()                          # before session.start: NCCL's path, served by gloo, on the CPU
 
-In ranks a launcher starts (the hpctrain CLI, mpiexec, srun, submitit): helpers.seam_env(SEAM_FAULT=...) puts
+In ranks a launcher starts (the hpctrain CLI, mpiexec, srun, submitit): helpers.launch.seam_env(SEAM_FAULT=...) puts
 tests/plugins on PYTHONPATH, where sitecustomize.py calls install_from_env() at interpreter start. Each patch is
 applied when its module is first imported, so nothing is imported early and a process that never imports it
 is untouched:

@@ -17,7 +17,8 @@ import pytest
 import torch
 from faults import record
 
-from helpers import SMALL, refused
+from helpers.refusals import refused
+from helpers.training import SMALL
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
 from hpctrain.data.blend import BlendedSamples, BlendLoader, blend_order

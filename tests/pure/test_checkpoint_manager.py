@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL, flip_a_byte
+from helpers.ckpt_bytes import flip_a_byte
+from helpers.training import SMALL
 from hpctrain.checkpoint import manager as mgr_mod
 from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt
 from hpctrain.checkpoint.manager import CheckpointManager, committed

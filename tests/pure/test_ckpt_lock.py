@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import REPO, write_lock
+from helpers.launch import REPO
+from helpers.locks import write_lock
 from hpctrain.checkpoint import lock
 from hpctrain.checkpoint.lock import NAME, CheckpointDirLocked, acquire, this_holder
 

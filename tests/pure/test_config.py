@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.config import Config, JobConfig, dump_toml, load_config
 
 EXAMPLES = REPO / "slurm" / "examples"

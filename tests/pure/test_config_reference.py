@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.config import SECTIONS
 from hpctrain.config import reference as ref
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from faults import record
 
-from helpers import REPO, refused
+from helpers.launch import REPO
+from helpers.refusals import refused
 from hpctrain.config import DataConfig
 from hpctrain.data.build import build_dataset, project_corpus_inputs
 from hpctrain.data.loader import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source

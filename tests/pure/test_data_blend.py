@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SMALL, refused
+from helpers.refusals import refused
+from helpers.training import SMALL
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
 from hpctrain.data.blend import BlendedSamples, BlendLoader

@@ -27,7 +27,7 @@ import pytest
 from faults import record
 from hfcheck import project_paragraphs, train_bpe
 
-from helpers import REPO, WORKERS
+from helpers.launch import REPO, WORKERS
 from hpctrain.data.tokenfiles import ArraySource
 
 pytestmark = pytest.mark.faults

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from faults import record
 
-from helpers import EXAMPLE, REPO, WORKERS, refused
+from helpers.launch import EXAMPLE, REPO, WORKERS
+from helpers.refusals import refused
 from hpctrain.config import DataConfig, load_config
 from hpctrain.data import loader as data
 from hpctrain.data import tokenfiles

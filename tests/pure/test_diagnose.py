@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import hpctrain
+from helpers.launch import hpctrain
 from hpctrain.hang import diagnose, watchdog
 from hpctrain.hang.heartbeat import Heartbeat
 

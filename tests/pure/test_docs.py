@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from helpers import REPO
+from helpers.launch import REPO
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

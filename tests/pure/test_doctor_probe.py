@@ -15,7 +15,7 @@ import click
 import pytest
 from faults import record
 
-from helpers import refused
+from helpers.refusals import refused
 from hpctrain import hostprobe
 from hpctrain.cli import doctor as cli_doctor
 from hpctrain.doctor import measure as doctor

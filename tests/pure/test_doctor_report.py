@@ -13,7 +13,8 @@ import pytest
 import seams
 from click.testing import CliRunner
 
-from helpers import EXAMPLE, refused
+from helpers.launch import EXAMPLE
+from helpers.refusals import refused
 from hpctrain.config import load_config
 from hpctrain.doctor import measure as doctor
 from hpctrain.doctor.report import Rules, analyse, expected_figures, render

@@ -16,7 +16,7 @@ import pytest
 import submitit
 from faults import record
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.job import launch
 
 WORKERS = REPO / "tests" / "workers"

@@ -15,7 +15,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import SMALL, refused
+from helpers.refusals import refused
+from helpers.training import SMALL
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
@@ -74,7 +75,7 @@ def test_missing_validation_split_is_refused_at_submission(tmp_path) -> None:
     path.write_bytes((np.arange(5000, dtype=np.uint16) % 200).tobytes())
     cfg_sets = ["--set", "data.source=bin", "--set", f"data.path={path}", "--set", "train.eval_every=10",
                 "--set", f"job.run_root={tmp_path / 'runs'}", "--set", "job.executor=local"]
-    from helpers import EXAMPLE
+    from helpers.launch import EXAMPLE
     res = CliRunner().invoke(cli, ["submit", str(EXAMPLE), *cfg_sets])
     assert res.exit_code == 2 and "train.val.bin" in res.output and "does not exist" in res.output, res.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from faults import record
 
-from helpers import refused
+from helpers.refusals import refused
 from hpctrain.config import SECTIONS, DataConfig, TrainConfig, load_config
 from hpctrain.data import loader as data
 from hpctrain.data import tokenfiles

@@ -89,7 +89,7 @@ def test_a_real_submission_past_the_limit_is_refused_before_anything_is_made(tmp
     """Not only the dry run: `hpctrain submit` refuses the layout with the numbers, and no run directory is made."""
     from click.testing import CliRunner
 
-    from helpers import REPO
+    from helpers.launch import REPO
     from hpctrain.cli.main import main
 
     runs = tmp_path / "runs"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from faults import record
 
-from helpers import SMALL
+from helpers.training import SMALL
 from hpctrain.checkpoint import hdf5_storage, layout
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config import load_config

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from faults import record
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.config import load_config
 from hpctrain.hang import diagnose, ending, heartbeat, stragglers, watchdog
 from hpctrain.hang.heartbeat import FILE_BYTES, Heartbeat

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, stored_datasets
+from helpers.ckpt_bytes import assert_bitwise_equal, stored_datasets
 
 
 def test_bitwise_comparison_sees_every_dtype(tmp_path) -> None:

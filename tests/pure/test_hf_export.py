@@ -18,7 +18,8 @@ import torch
 from click.testing import CliRunner
 from hfcheck import LOGIT_TOL, logit_diff
 
-from helpers import SMALL, full_weights, refused
+from helpers.refusals import refused
+from helpers.training import SMALL, full_weights
 from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config

@@ -15,7 +15,8 @@ import shutil
 from click.testing import CliRunner
 from hfcheck import LOGIT_TOL, logit_diff, make_hf_llama, project_paragraphs, train_bpe
 
-from helpers import full_weights, refused
+from helpers.refusals import refused
+from helpers.training import full_weights
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.data import tokenize as tokenized

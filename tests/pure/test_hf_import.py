@@ -18,7 +18,8 @@ import torch
 from faults import record
 from hfcheck import LOGIT_TOL, hf_logits, hpctrain_logits, make_hf_llama, ours_as_hf, tokens
 
-from helpers import full_weights, refused
+from helpers.refusals import refused
+from helpers.training import full_weights
 from hpctrain.config import hf as hfconfig
 from hpctrain.config import load_config
 from hpctrain.hf import load as hf_import

@@ -18,7 +18,7 @@ import pytest
 import torch
 from faults import record
 
-from helpers import refused
+from helpers.refusals import refused
 from hpctrain.config import ModelConfig, load_config
 from hpctrain.config import hf as hfconfig
 from hpctrain.hf import load as hf_import

@@ -18,7 +18,7 @@ import ast
 import re
 from typing import NamedTuple
 
-from helpers import REPO
+from helpers.launch import REPO
 
 ROOT = REPO
 PKG = ROOT / "hpctrain"

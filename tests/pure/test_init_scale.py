@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from helpers import TINY, counting_tiles, touched
+from helpers.training import TINY, counting_tiles, touched
 from hpctrain.config import ModelConfig, load_config
 from hpctrain.job import session
 from hpctrain.model.transformer import INIT_TILE, ModelDims, init_slice, init_value

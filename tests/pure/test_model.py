@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.cli.main import main as cli
 from hpctrain.config import ModelConfig, load_config
 from hpctrain.model import transformer as model

@@ -15,7 +15,7 @@ import re
 
 import click
 
-from helpers import REPO
+from helpers.launch import REPO
 
 SEAM_WORDS = ("TEST", "FAULT", "SLOW", "EMULATE", "INJECT", "MUTATION", "SEAM", "MOCK", "FAKE")
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)+")  # FOO_BAR: how environment variables are named

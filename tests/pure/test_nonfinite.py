@@ -22,7 +22,9 @@ import pytest
 import torch
 from faults import record
 
-from helpers import REPO, env_with_venv, only_run_dir, refused
+from helpers.launch import REPO, env_with_venv
+from helpers.refusals import refused
+from helpers.runs import only_run_dir
 from hpctrain.checkpoint.manager import committed
 from hpctrain.config import load_config
 from hpctrain.job import runs, session

@@ -12,7 +12,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from helpers import EXAMPLE, TINY
+from helpers.launch import EXAMPLE
+from helpers.training import TINY
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.job import session

@@ -13,7 +13,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.planner import hardware

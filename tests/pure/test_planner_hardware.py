@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.bench.sweep import Row, bandwidths
 from hpctrain.planner import hardware
 from hpctrain.planner.hardware import DTYPES, OVERRIDABLE, PROFILES, bandwidths_from_bench, profile

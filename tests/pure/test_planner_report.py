@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from helpers import REPO, SMALL
+from helpers.launch import REPO
+from helpers.training import SMALL
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.job import session

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.model.dims import ModelDims
 from hpctrain.planner import timing
 from hpctrain.planner.hardware import profile

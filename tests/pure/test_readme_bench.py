@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers.launch import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _verdict  # noqa: E402

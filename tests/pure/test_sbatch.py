@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from faults import record
 
-from helpers import REPO
+from helpers.launch import REPO
 from hpctrain.cli.main import main
 from hpctrain.config import load_config
 from hpctrain.job import launch

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL
+from helpers.training import SMALL
 from hpctrain import hostprobe
 from hpctrain.config import load_config
 from hpctrain.job import launch

@@ -24,7 +24,8 @@ from click.testing import CliRunner
 from faults import record
 from hfcheck import project_paragraphs, train_bpe
 
-from helpers import SMALL, refused
+from helpers.refusals import refused
+from helpers.training import SMALL
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.data import tokenize as tokenized

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import EXAMPLE
+from helpers.launch import EXAMPLE
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.job import session

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 
-from helpers import REPO
+from helpers.launch import REPO
 
 MAX_LINES = 180
 

@@ -3,7 +3,7 @@ data build are opened the job-start way (data.check_ids_at_start, then open_sour
 directly, and this rank records which files it scanned (every call of tokenfiles._scan_ids, slowed here so a scan
 spans several rounds), what it then knows of each file or the error it raised, and its heartbeat's details.
 
-    python tests/workers/data_ids_worker.py OUT BASE_PORT     # RANK, WORLD_SIZE...: tests/helpers.spawn_ranks
+    python tests/workers/data_ids_worker.py OUT BASE_PORT     # RANK, WORLD_SIZE...: helpers.launch.spawn_ranks
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import TINY  # noqa: E402
+from helpers.training import TINY  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.data import loader as data
 from hpctrain.data import tokenfiles

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # for 
 os.environ["SLURMD_NODENAME"] = f"node{os.environ['GROUP_RANK']}"  # the node names the doctor blames
 import seams  # noqa: E402
 
-from helpers import EXAMPLE, each_case  # noqa: E402
+from helpers.launch import EXAMPLE, each_case  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.doctor import measure as doctor
 from hpctrain.job import preempt, session

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import TINY, each_case  # noqa: E402
+from helpers.launch import each_case  # noqa: E402
+from helpers.training import TINY  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.job import session
 from hpctrain.train.trainer import Trainer  # noqa: E402

@@ -9,7 +9,8 @@ torchrun's variables). Several checks share one process group to pay for `import
   fsdp       save an FSDP2 model and its Adam state after one step; the test loads it in one process
 
 Usage: tests/workers/hdf5_worker.py OUT PORT ONE_PROCESS_CHECKPOINT. Writes OUT/rank<r>.json:
-{check: true | "what went wrong"}. The tensors (helpers.LAYOUTS, helpers.reference) are shared with the test.
+{check: true | "what went wrong"}. The tensors
+(helpers.ckpt_bytes.LAYOUTS, helpers.ckpt_bytes.reference) are shared with the test.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import LAYOUTS, reference  # noqa: E402
+from helpers.ckpt_bytes import LAYOUTS, reference  # noqa: E402
 from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer  # noqa: E402
 
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import each_case, full_weights  # noqa: E402
+from helpers.launch import each_case  # noqa: E402
+from helpers.training import full_weights  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.job import session
 from hpctrain.model.transformer import clean_name  # noqa: E402

@@ -1,6 +1,6 @@
 """One rank of the real-layout initialisation test (tests/multiproc/test_init_scale_shards.py, 4 ranks with
 torchrun's variables): for each case, builds the parallel model on the session's mesh and saves every parameter's
-shard, its box in the full tensor and the elements this rank drew (helpers.counting_tiles).
+shard, its box in the full tensor and the elements this rank drew (helpers.training.counting_tiles).
 
     python tests/workers/init_scale_worker.py OUT CASES_JSON BASE_PORT
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import TINY, counting_tiles  # noqa: E402
+from helpers.training import TINY, counting_tiles  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.job import session
 from hpctrain.model import transformer as model

@@ -22,7 +22,7 @@ import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers import SMALL  # noqa: E402
+from helpers.training import SMALL  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.job import session
 from hpctrain.train.trainer import Trainer  # noqa: E402

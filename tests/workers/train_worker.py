@@ -1,8 +1,9 @@
-"""One rank of a torchrun-style spawn that trains several cases in turn (helpers.run_case: each case's per-step
+"""One rank of a torchrun-style spawn that trains several cases in turn (helpers.training.run_case: each case's per-step
 losses, pre-clip gradient norms and final full weights; also, on rank 0, each FSDP module's reshard_after_forward
 and the all-gathers of the last step), for tests/multiproc/test_train_equivalence.py and
 tests/multiproc/test_grad_scale_mutations.py. A case may name a deliberate gradient bug ("mutation": patched in by
-tests/plugins/seams.py's gradient_mutation, for that case only). The test process runs helpers.run_case itself as
+tests/plugins/seams.py's gradient_mutation, for that case only). The test process runs
+helpers.training.run_case itself as
 the 1-rank reference.
 
     python tests/workers/train_worker.py OUT CASES_JSON BASE_PORT      # one rank of a torchrun-style spawn
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # for seams
 import seams  # noqa: E402
 
-from helpers import run_case  # noqa: E402
+from helpers.training import run_case  # noqa: E402
 
 
 def main(out: str, cases_json: str, base_port: int) -> None:
