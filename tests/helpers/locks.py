@@ -4,7 +4,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 from pathlib import Path
+
+HOST = socket.gethostname()
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()  # reaped: a zombie would still answer kill(pid, 0)
+    return p.pid
 
 
 def write_lock(root: Path, **fields) -> bytes:

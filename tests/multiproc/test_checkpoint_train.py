@@ -4,7 +4,7 @@ tp=4 and the following losses match; an asynchronous save writes the same bytes 
 checkpoint (pp=2 x tp=2) resumes bitwise in its own layout and reshards to pp=1 x tp=2 x dp=2 (ZeRO-3) and to
 pp=4; the pipeline run's summary carries its per-stage timing and bubble. The tp2 x dp2 ZeRO-3 checkpoint of a GQA
 model exported for Hugging Face gives transformers the trained model's logits (the 1-rank export and the export's
-other checks: tests/pure/test_hf_export.py)."""
+other checks: tests/multiproc/test_hf_export.py)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """Training through the product's own entry point, in its own process: `hpctrain train` writes metrics, a profiler
 trace and a summary; `hpctrain plot` draws them. The in-process half (refusals, host syncs) is
-tests/pure/test_train_run.py."""
+tests/multiproc/test_train_run.py."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Pure tests of hpctrain.data.loader and hpctrain.data.tokenfiles: tokenizer, dataset files, token sources and the
 resumable
-sharded loader.
+sharded loader. A source read in a forked child: tests/multiproc/test_data_fork.py; the tiny model learning the
+synthetic data: tests/multiproc/test_data_training.py.
 
     .venv/bin/python -m pytest tests/pure/test_data.py -q
 """
@@ -213,22 +214,8 @@ def test_truncated_bin_is_caught_by_its_sidecar(texts, tmp_path):
     refused(ArraySource, tmp_path / "c.bin", fragments=[f"{len(raw) // 2 - 10} tokens", f"{len(raw) // 2}"])
 
 
-def _read_in_child(source, queue) -> None:
-    queue.put(source.read(2, 5).tolist())
 
 
-@pytest.mark.parametrize("suffix", [".bin", ".h5"])
-def test_source_made_before_fork_reads_in_the_child(texts, tmp_path, suffix):
-    ctx = pytest.importorskip("multiprocessing").get_context("fork")
-    build_dataset([texts], tmp_path / f"c{suffix}")
-    source = open_source(DataConfig(source=SUFFIX_SOURCE[suffix], path=str(tmp_path / f"c{suffix}"), seq_len=4), 256)
-    want = source.read(2, 5).tolist()  # the parent has its handle open now
-    queue = ctx.Queue()
-    child = ctx.Process(target=_read_in_child, args=(source, queue))
-    child.start()
-    got = queue.get(timeout=30)
-    child.join(timeout=30)
-    assert got == want and child.exitcode == 0
 
 
 def test_hdf5_without_tokens_dataset(tmp_path):
@@ -271,22 +258,6 @@ def test_synthetic_next_token_is_predictable(vocab_size):
     assert inside.mean() > 0.97
 
 
-def test_tiny_model_learns_synthetic_data():
-    torch.manual_seed(0)
-    loader = TokenLoader(SyntheticSource(256, seed=0), seq_len=32, micro_batch_size=8, dp_rank=0, dp_size=1, seed=0)
-    embed, head = torch.nn.Embedding(256, 32), torch.nn.Linear(64, 256)
-    params = [*embed.parameters(), *head.parameters()]
-    losses = []
-    for _ in range(40):
-        x, y = loader.next_batch()
-        prev = torch.cat([x[:, :1], x[:, :-1]], dim=1)
-        logits = head(torch.cat([embed(x), embed(prev)], dim=-1))  # (B, T, vocab) from the last two tokens
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-        with torch.no_grad():  # plain SGD by hand: torch.optim's first import costs seconds
-            for p, g in zip(params, torch.autograd.grad(loss, params)):
-                p -= 5.0 * g
-        losses.append(loss.item())
-    assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < 2.5, losses  # from ~log(256) towards ~1 nat
 
 
 # --- loader ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 data, tied to the file by its identity; submission and --dry-run read only that record; a file without one is
 named ("one rank checks its N GB at job start") and its ids are checked once at job start
 (data.check_ids_at_start), here in one process. The multi-rank check (one rank scans, the others are sent the
-result): tests/multiproc/test_data_ids_ranks.py.
+result): tests/multiproc/test_data_ids_ranks.py; the CLI's dry run on a large file:
+tests/multiproc/test_data_ids_dry_run.py.
 
     .venv/bin/python -m pytest -q tests/pure/test_data_ids.py
 """
@@ -12,8 +13,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 from faults import record
 
-from helpers.launch import EXAMPLE, REPO, WORKERS
+from helpers.launch import EXAMPLE
 from helpers.refusals import refused
 from hpctrain.config import DataConfig, load_config
 from hpctrain.data import loader as data
@@ -72,31 +71,6 @@ def cfg_for(path: Path, *sets: str):
 
 # --- the login node -----------------------------------------------------------------------------------------
 
-def test_dry_run_of_a_large_raw_file_reads_none_of_its_ids(tmp_path) -> None:
-    """A 2 GiB raw file (sparse: quick to make) holding id 300, past the example's vocabulary of 256, in its
-    middle: the dry run cannot see it, and its peak resident size stays far below the file (the old scan mapped
-    and read every id: 2.3 GB resident here, 8.6 GB for an 8 GB file on the cluster)."""
-    path = tmp_path / "big.bin"
-    with open(path, "wb") as f:
-        f.truncate(2 << 30)
-        f.seek(1 << 30)
-        f.write(np.array([300], dtype="<u2").tobytes())
-    result = tmp_path / "peak.json"
-    res = subprocess.run([sys.executable, str(WORKERS / "peak_rss.py"), str(result), "1200", "120", sys.executable,
-                          "-m", "hpctrain.cli", "submit", str(EXAMPLE), "--dry-run", "--set", f"data.path={path}",
-                          "--set", f"job.run_root={tmp_path / 'runs'}"], capture_output=True, text=True, cwd=REPO,
-                         timeout=180)
-    got = json.loads(result.read_text())
-    out = res.stdout + res.stderr
-    assert got["rc"] == 0 and not got["killed"], out
-    assert f"{path}: no record of its ids from data build; one rank checks its 2.1 GB of token ids at job start" \
-        in out, out
-    assert "warning:" not in out and "ids up to" not in out
-    assert got["peak_mb"] < 600, got  # the dry run of the bundled data: ~240 MB here
-    assert not (tmp_path / "big.bin.ids.json").exists()
-    record("submit --dry-run on a 2 GiB raw token file without a record, holding id 300 past the vocabulary",
-           "exit 0 naming the file and its 2.1 GB checked at job start; no id read (the bad one unseen, no id "
-           "cache), peak resident under 600 MB", tier="cli")
 
 
 def test_submission_reads_the_record_alone(texts, tmp_path, scans) -> None:

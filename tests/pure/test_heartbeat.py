@@ -5,25 +5,22 @@
 The heartbeat must say where a rank was even when the rank cannot speak: a process that stops itself (SIGSTOP)
 or is killed (SIGKILL) inside a phase leaves that phase readable. The watchdog must trip on a stale phase (and
 not on a long phase within its long limit), dump stacks that `diagnose` can parse, and answer another rank's
-request. The multi-rank and launcher cases are in tests/multiproc/test_hang_local.py and tests/cluster/test_hang.py.
+request. Real processes killed, stopped and woken: tests/multiproc/test_heartbeat_processes.py. The multi-rank and
+launcher cases are in tests/multiproc/test_hang_local.py and tests/cluster/test_hang.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from faults import record
 
-from helpers.launch import REPO
+from helpers.hang import a_watchdog, until_ended
 from hpctrain.config import load_config
-from hpctrain.hang import diagnose, ending, heartbeat, stragglers, watchdog
+from hpctrain.hang import diagnose, heartbeat, stragglers, watchdog
 from hpctrain.hang.heartbeat import FILE_BYTES, Heartbeat
 
 
@@ -59,26 +56,6 @@ def test_damaged_files_are_refused(tmp_path) -> None:
     assert heartbeat.read(long.path)["failure"].startswith("EEE")
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_last_phase_outlives_the_process(tmp_path, sig) -> None:
-    """The mapped page belongs to the kernel: a rank killed or stopped inside forward still reads as there."""
-    code = ("import os, signal, sys\nfrom hpctrain.hang.heartbeat import Heartbeat\n"
-            "hb = Heartbeat(sys.argv[1], 3, {'node': 'n9'})\nhb.begin_step(7)\nhb.enter('forward', 'micro-batch 2/4')\n"
-            f"os.kill(os.getpid(), signal.{sig})\nhb.enter('backward')\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO)
-    try:
-        if sig == "SIGKILL":
-            proc.wait(timeout=60)
-        else:
-            t0 = time.monotonic()
-            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-                assert time.monotonic() - t0 < 60, "the process never stopped"
-                time.sleep(0.02)
-        got = heartbeat.read(heartbeat.heartbeat_path(tmp_path, 3))
-    finally:
-        proc.kill()
-        proc.wait()
-    assert (got["step"], got["phase"], got["detail"], got["node"]) == (7, "forward", "micro-batch 2/4", "n9")
 
 
 def test_compute_and_wait_times(monkeypatch) -> None:
@@ -95,33 +72,12 @@ def test_compute_and_wait_times(monkeypatch) -> None:
     assert hb.take_times() == (0.5, 2.0)
 
 
-class _Ended(Exception):
-    pass
-
-
-def _until_ended(ended: list[str], failure: str, limit_s: float = 20) -> float:
-    """Waits for the watchdog under test to end the job; the seconds it took."""
-    t0 = time.monotonic()
-    while not ended:
-        assert time.monotonic() - t0 < limit_s, failure
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
-def _dog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int = 5):
-    ended: list[str] = []
-    monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
-    monkeypatch.setattr(ending, "ENDING", threading.Event())  # this process's own stays clear
-    hb = Heartbeat(tmp_path, 2, {"node": "n1"})
-    hb.begin_step(step)
-    hb.enter(phase, "all_reduce of the loss on dp" if phase == "collective" else "")
-    return watchdog.Watchdog(hb, tmp_path, limits), hb, ended
 
 
 def test_watchdog_trips_on_a_stale_phase(tmp_path, monkeypatch) -> None:
-    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.5, long_s=30), "collective")
+    dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.5, long_s=30), "collective")
     dog.on_end = lambda: "requeued job 77 without n9"  # the first rank to trip runs it (hangrequeue.after_hang)
-    _until_ended(ended, "the watchdog never tripped")
+    until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert "hang on rank 2: no progress" in ended[0] and "parallel.hang_timeout_s" in ended[0]
     assert ended[0].endswith("; requeued job 77 without n9"), ended[0]
@@ -147,8 +103,8 @@ def test_a_broken_log_handler_does_not_keep_the_job_alive(tmp_path, monkeypatch)
     handler = logging.StreamHandler(Gone())
     logging.getLogger().addHandler(handler)
     try:
-        dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
-        _until_ended(ended, "a failing handler kept the job alive")
+        dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
+        until_ended(ended, "a failing handler kept the job alive")
         dog.stop()
     finally:
         logging.getLogger().removeHandler(handler)
@@ -160,7 +116,7 @@ def test_requests_of_an_earlier_incarnation(tmp_path, monkeypatch) -> None:
     (tmp_path / "hang").mkdir()
     (tmp_path / "hang" / "request").write_text(json.dumps({"rank": 1, "wall": time.time() - 600}))
     (tmp_path / "hang" / "rank00001.txt").write_text("old dump")
-    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=3, long_s=60), "forward")  # polls: 0.3 s
+    dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=3, long_s=60), "forward")  # polls: 0.3 s
     try:
         time.sleep(1.5)
         assert not ended and not watchdog.hang_path(tmp_path, 2).exists()
@@ -177,7 +133,7 @@ def test_requests_of_an_earlier_incarnation(tmp_path, monkeypatch) -> None:
 
 def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch) -> None:
     limits = watchdog.Limits(step_s=0.3, long_s=60)
-    dog, hb, ended = _dog(tmp_path, monkeypatch, limits, "checkpoint")
+    dog, hb, ended = a_watchdog(tmp_path, monkeypatch, limits, "checkpoint")
     try:
         assert dog.limit() == (60, "parallel.startup_timeout_s")
         hb.begin_training(4)  # a resume from step 4: step 5 is the first after the start (compile, NCCL set-up)
@@ -196,7 +152,7 @@ def test_long_phases_and_the_first_step_get_the_long_limit(tmp_path, monkeypatch
 
 def test_watchdog_answers_another_ranks_request(tmp_path, monkeypatch) -> None:
     """A rank that is not stale itself dumps when another rank's watchdog asks."""
-    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=5, long_s=60), "forward")  # polls: 0.5 s
+    dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=5, long_s=60), "forward")  # polls: 0.5 s
     dog.on_end = lambda: pytest.fail("only the rank that asked requeues")
     (tmp_path / "hang").mkdir(exist_ok=True)
     (tmp_path / "hang" / "request").write_text(json.dumps({"rank": 0, "wall": time.time()}) + "\n")
@@ -209,28 +165,6 @@ def test_watchdog_answers_another_ranks_request(tmp_path, monkeypatch) -> None:
     assert watchdog.hang_path(tmp_path, 2).exists()
 
 
-def test_peer_kill_needs_the_same_process(tmp_path, monkeypatch) -> None:
-    """end_job kills only same-host peers that left no dump and are still the process they were at start."""
-    code = "import time; time.sleep(120)"
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    dumped = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        start = watchdog.process_start(proc.pid)
-        me = watchdog.Peer.me(0)
-        peers = [me, watchdog.Peer(1, me.host, proc.pid, start), watchdog.Peer(2, me.host, dumped.pid,
-                 watchdog.process_start(dumped.pid)), watchdog.Peer(3, me.host, os.getpid(), start + 1)]
-        (tmp_path / "hang").mkdir()
-        watchdog.hang_path(tmp_path, 2).write_text("dumped")
-        monkeypatch.setattr(watchdog.os, "_exit", lambda code: (_ for _ in ()).throw(_Ended(code)))
-        monkeypatch.setattr(watchdog.logging, "shutdown", lambda: None)
-        with pytest.raises(_Ended):
-            watchdog.end_job(peers, tmp_path, "test")
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-        assert dumped.poll() is None  # it dumped: it ends itself
-    finally:
-        for p in (proc, dumped):
-            p.kill()
-            p.wait()
 
 
 def test_config_limits() -> None:
@@ -284,65 +218,12 @@ def test_plot_per_rank_step_times(tmp_path) -> None:
     assert plot_training(tmp_path).stat().st_size > 10000
 
 
-def test_a_stopped_then_woken_watchdog_says_it_was_frozen(tmp_path) -> None:
-    """SIGSTOP for 4 s, then SIGCONT (as Slurm sends when it ends or requeues a job): the watchdog trips at once,
-    and its dump says how long it could not run, so diagnose does not count it as an answer in time."""
-    code = ("import sys, time\nfrom hpctrain.hang import watchdog\nfrom hpctrain.hang.heartbeat import Heartbeat\n"
-            "hb = Heartbeat(sys.argv[1], 1, {'node': 'n2'})\nhb.begin_step(3)\nhb.enter('forward')\n"
-            "watchdog.Watchdog(hb, sys.argv[1], watchdog.Limits(step_s=2, long_s=60))\n"
-            "print('ready', flush=True)\ntime.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(4)
-        os.kill(proc.pid, signal.SIGCONT)
-        assert proc.wait(timeout=30) == 1  # the watchdog ended it
-    finally:
-        proc.kill()
-        proc.wait()
-    header, _ = diagnose.parse_dump(watchdog.hang_path(tmp_path, 1).read_text())
-    assert header["frozen_s"] >= 3, header
 
 
 # --- issue 25 -------------------------------------------------------------------------------------------------------
 
-PEER = ("import sys, time\nfrom hpctrain.hang import watchdog\nfrom hpctrain.hang.heartbeat import Heartbeat\n"
-        "hb = Heartbeat(sys.argv[1], 3, {'node': 'n2'})\nhb.begin_step(1)\nhb.enter('forward')\n"
-        "watchdog.Watchdog(hb, sys.argv[1], watchdog.Limits(step_s=1, long_s=60))\n"
-        "print('ready', flush=True)\ntime.sleep(120)\n")
 
 
-@pytest.mark.faults
-def test_a_stopped_peer_ends_the_first_steps_long_limit(tmp_path, monkeypatch) -> None:
-    """The first step of every start (a requeued job's after a hang too) has the long limit: it compiles and sets up
-    NCCL. A peer that is stopped is not compiling: its watchdog falls silent. A rank idle past the step limit in its
-    first step whose neighbour's watchdog is silent for the step limit trips then, not after the long limit (1200 s
-    by default: the second stop of the Slurm requeue test took that long). A neighbour that is alive keeps the long
-    limit."""
-    proc = subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
-        me = watchdog.Peer.me(2)
-        dog.peers = [me, watchdog.Peer(3, me.host, proc.pid, watchdog.process_start(proc.pid))]
-        hb.begin_training(0)  # a fresh start: step 1 is the first
-        hb.begin_step(1)
-        time.sleep(3)  # idle well past the step limit, the peer alive (its watchdog runs): the long limit holds
-        assert not ended and heartbeat.read(heartbeat.heartbeat_path(tmp_path, 3))["alive"] > time.time() - 2
-        os.kill(proc.pid, signal.SIGSTOP)
-        seconds = _until_ended(ended, "a stopped peer was not noticed within the step limit")
-        dog.stop()
-    finally:
-        proc.kill()
-        proc.wait()
-    assert "rank 3" in ended[0] and "silent" in ended[0] and "parallel.hang_timeout_s" in ended[0], ended[0]
-    request = json.loads((tmp_path / "hang" / "request").read_text())
-    assert request["rank"] == 2 and "rank 3" in request["reason"], request
-    record("a peer stopped (SIGSTOP) in the first step, which has the long limit (60 s here, 1200 s by default; a "
-           "second stop after a hang requeue is one), while this rank waits past the step limit (1 s)",
-           "an alive peer keeps the long limit; once stopped, this rank's watchdog trips within 20 s naming the "
-           "peer's silent watchdog", seconds, "unit")
 
 
 def test_a_peer_on_a_skewed_clock_is_not_silent(tmp_path, monkeypatch) -> None:
@@ -363,14 +244,14 @@ def test_a_peer_on_a_skewed_clock_is_not_silent(tmp_path, monkeypatch) -> None:
     ticker = threading.Thread(target=skewed_ticks, daemon=True)
     ticker.start()
     try:
-        dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
+        dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=1, long_s=60), "collective", step=1)
         me = watchdog.Peer.me(2)
         dog.peers = [me, watchdog.Peer(3, me.host, os.getpid(), watchdog.process_start(os.getpid()))]
         time.sleep(3)  # idle past the step limit in the first step; the peer's tick changes, 1000 s in the past
         assert not ended, ended
         stop.set()
         ticker.join()
-        _until_ended(ended, "a peer whose tick stopped changing was not noticed")  # silent by this rank's clock
+        until_ended(ended, "a peer whose tick stopped changing was not noticed")  # silent by this rank's clock
         dog.stop()
     finally:
         stop.set()
@@ -381,7 +262,7 @@ def test_a_peer_on_a_skewed_clock_is_not_silent(tmp_path, monkeypatch) -> None:
 def test_the_watchdog_reads_hang_request_bounded(tmp_path, monkeypatch) -> None:
     """hang/request nested past json's recursion killed the watchdog thread (RecursionError); a FIFO there blocked
     it for good. Both are unreadable requests now: answered with a dump (one too many rather than none)."""
-    dog, hb, ended = _dog(tmp_path, monkeypatch, watchdog.Limits(step_s=30, long_s=60), "forward")
+    dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=30, long_s=60), "forward")
     dog.stop()
     (tmp_path / "hang").mkdir()
     request = tmp_path / "hang" / "request"
@@ -411,8 +292,8 @@ def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None
     (run / "hang").mkdir(parents=True)
     watchdog.hang_path(run, 2).symlink_to(victim)
     watchdog.hang_path(run, 2, ".fr.json").symlink_to(victim)
-    dog, hb, ended = _dog(run, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
-    _until_ended(ended, "the watchdog never tripped")
+    dog, hb, ended = a_watchdog(run, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
+    until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert victim.read_text() == "precious\n"
     other = tmp_path / "other"
@@ -420,8 +301,8 @@ def test_hang_dumps_are_not_written_through_links(tmp_path, monkeypatch) -> None
     elsewhere.mkdir()
     other.mkdir()
     (other / "hang").symlink_to(elsewhere)
-    dog, hb, ended = _dog(other, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
-    _until_ended(ended, "the watchdog never tripped")
+    dog, hb, ended = a_watchdog(other, monkeypatch, watchdog.Limits(step_s=0.3, long_s=30), "forward")
+    until_ended(ended, "the watchdog never tripped")
     dog.stop()
     assert list(elsewhere.iterdir()) == [], list(elsewhere.iterdir())
     record("hang/rank00002.txt and .fr.json linked to a file elsewhere; hang/ linked to a directory elsewhere",

@@ -1,7 +1,7 @@
 """Pure tier for the prefetching loader: the same batches as the synchronous TokenLoader, in the same order; a
 state that describes the batches consumed, not those read ahead, so a checkpoint resumes at the same batch; the
-thread ends on close, on garbage collection and after an error, which reaches the consumer. In this process, one
-rank: training with train.prefetch = 2 gives the same losses and loader state as with 0, and fit() ends the thread.
+thread ends on close, on garbage collection and after an error, which reaches the consumer. Training with
+train.prefetch = 2 against 0: tests/multiproc/test_loader_prefetch_training.py.
 
     .venv/bin/python -m pytest tests/pure/test_loader_prefetch.py -q
 """
@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import gc
 import json
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from hpctrain.config import load_config
 from hpctrain.data.loader import PrefetchLoader, SyntheticSource, TokenLoader
-from hpctrain.job import session
-from hpctrain.train.trainer import Trainer
 
 
 def sync_loader(dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 2, source=None) -> TokenLoader:
@@ -43,8 +39,6 @@ def read_ahead(loader: PrefetchLoader) -> None:
         time.sleep(0.001)
 
 
-def prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "hpctrain-prefetch"]
 
 
 @pytest.mark.parametrize("depth", [1, 2, 5])
@@ -137,20 +131,5 @@ def test_an_error_in_the_thread_reaches_the_consumer_at_its_batch() -> None:
 
 # --- in the trainer ---------------------------------------------------------------------------------------------
 
-CASE = ["model.vocab_size=256", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
-        "data.source=synthetic", "data.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=2", "train.steps=5",
-        "train.log_every=2", "checkpoint.at_end=false", "parallel.pp=1", "parallel.tp=1", "parallel.dp=-1"]
 
 
-def test_training_with_prefetch_equals_training_without(tmp_path) -> None:
-    got = {}
-    for depth in (0, 2):
-        cfg = load_config(None, CASE + [f"train.prefetch={depth}", f"job.run_root={tmp_path}"])
-        with session.start(cfg) as s:
-            tr = Trainer(cfg, s)
-            assert isinstance(tr.loader, PrefetchLoader) == (depth > 0)
-            out = tr.fit()
-            got[depth] = (out["losses"], tr.loader.state_dict())
-            assert not prefetch_threads()  # fit ended it
-    assert got[0] == got[2]
-    assert got[2][1]["samples_seen"] == 5 * 2 * 2

@@ -1,6 +1,8 @@
-"""`hpctrain plan` as far as it goes (issue 15): checkpoint size against a checkpoint the trainer really writes,
-the Young/Daly interval and the preemption-warning check, the model-state verdict on the 70B example, and the
-command's text and JSON output and its errors."""
+"""`hpctrain plan` as far as it goes (issue 15): the Young/Daly interval and the preemption-warning check, the
+model-state verdict on the 70B example, and the command's text and JSON output and its errors. Checkpoint size
+against a checkpoint the trainer really writes: tests/multiproc/test_planner_checkpoint_size.py; the layout search:
+tests/multiproc/test_planner_search.py.
+"""
 from __future__ import annotations
 
 import json
@@ -11,38 +13,15 @@ import pytest
 from click.testing import CliRunner
 
 from helpers.launch import REPO
-from helpers.training import SMALL
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
-from hpctrain.job import session
-from hpctrain.planner.ckpt_cost import checkpoint_bytes, checkpoint_cost, payload_bytes
+from hpctrain.planner.ckpt_cost import checkpoint_cost
 from hpctrain.planner.hardware import profile
 from hpctrain.planner.report import evaluate
 
 LLAMA = REPO / "slurm" / "examples" / "llama-70b.toml"
 
 
-def test_checkpoint_size_matches_a_written_checkpoint(tmp_path) -> None:
-    """A model other than the one the header constant was measured on: 3 blocks, grouped-query attention."""
-    from hpctrain.train.trainer import Trainer
-    cfg = load_config(None, SMALL + ["model.n_layers=3", "model.dim=48", "model.n_heads=4", "model.n_kv_heads=2",
-                                     "train.steps=1", f"job.run_root={tmp_path}"])
-    with session.start(cfg) as s:
-        Trainer(cfg, s).fit()
-        ckpt = next((s.run_dir / "checkpoints").glob("step_*"))
-    import h5py
-
-    from hpctrain.model.dims import ModelDims
-    real = sum(f.stat().st_size for f in ckpt.iterdir())
-    stored = []
-    with h5py.File(ckpt / "shard-0.h5") as f:
-        f.visititems(lambda name, obj: stored.append(obj.size * obj.dtype.itemsize)
-                     if isinstance(obj, h5py.Dataset) else None)
-    dims = ModelDims.from_config(cfg.model)
-    # the tensors' bytes to 1% (the JSON hyperparameters are the rest); with the headers, which are most of a toy
-    # checkpoint (1 MB of 2.5 MB here) and nothing of a real one, to 15%
-    assert abs(payload_bytes(dims, 1) / sum(stored) - 1) < 0.01, (payload_bytes(dims, 1), sum(stored))
-    assert abs(checkpoint_bytes(dims, 1) / real - 1) < 0.15, (checkpoint_bytes(dims, 1), real)
 
 
 def test_young_daly_and_the_warning() -> None:
@@ -121,24 +100,6 @@ def test_micro_batches_in_flight() -> None:
     assert in_flight("interleaved_1f1b", 4, 2, 8) == 5.5 and in_flight("interleaved_1f1b", 2, 2, 4, 1) == 1.5
 
 
-def test_search_ranks_what_fits_and_names_the_rest() -> None:
-    from hpctrain.planner.search import SCHEDULES, search
-    cfg = load_config(LLAMA, [])
-    fit, why = search(cfg, profile("h100-sxm"), 5.0, 6000.0, 128)
-    speeds = [o["tokens_per_s"] for o in fit]
-    assert fit and speeds == sorted(speeds, reverse=True)
-    assert all(o["fits"] and o["layout"]["pp"] * o["layout"]["dp"] * o["layout"]["tp"] == 128 for o in fit)
-    assert all(o["layout"]["micro_batch"] * o["layout"]["grad_accum"] * o["layout"]["dp"] == 128 for o in fit)
-    own = {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3, "micro_batch": 1, "grad_accum": 8, "ac": "full"}
-    assert any(own.items() <= o["layout"].items() for o in fit)  # the config's own layout is among them
-    assert {o["layout"]["sequence_parallel"] for o in fit if o["layout"]["tp"] > 1} == {False, True}
-    assert {(o["layout"]["schedule"], o["layout"]["virtual_stages"]) for o in fit if o["layout"]["pp"] > 1} == set(
-        SCHEDULES)
-    assert any("does not divide the 8 ranks per node" in r for r in why)  # tp across nodes
-    oom = next(e for r, e in why.items() if r.startswith("out of memory on h100-sxm"))
-    assert oom[0] > 0 and 0 < oom[1] <= oom[2]
-    out = CliRunner().invoke(cli, ["plan", str(LLAMA), "--search", "--json"])
-    assert out.exit_code == 0 and len(json.loads(out.output)) == len(fit)
 
 
 def test_unmeasured_schedule_is_named_as_a_lower_bound() -> None:

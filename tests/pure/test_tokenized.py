@@ -1,10 +1,10 @@
-"""`hpctrain data build OUT INPUTS... --tokenizer tokenizer.json`, in this process: a BPE tokenizer trained here
-(on this repository's own files) encodes text files, JSON lines (--field) and gzip/bz2/xz inputs; every document
-decodes back to its text and ends with the tokenizer's EOS; 1 and 2 worker processes write the same bytes; the
-validation split takes the same documents every time, about the fraction asked; the record names the tokenizer
-(sha256, vocab, EOS, documents) and a copy of it lies beside the data; uint32 ids when the vocabulary needs them;
-mixed tokenizers, an EOS the model cannot embed and a tokenizer other than init_from's are refused; and the
-built dataset (with its validation split) trains.
+"""`hpctrain data build OUT INPUTS... --tokenizer tokenizer.json`, in this process: a BPE tokenizer trained here (on
+this repository's own files) encodes text files, JSON lines (--field) and gzip/bz2/xz inputs; every document decodes
+back to its text and ends with the tokenizer's EOS; the validation split takes about the fraction asked; the record
+names the tokenizer (sha256, vocab, EOS, documents) and a copy of it lies beside the data; uint32 ids when the
+vocabulary needs them; mixed tokenizers, an EOS the model cannot embed and a tokenizer other than init_from's are
+refused. Worker processes (the same bytes, a fixed split, long documents in pieces):
+tests/multiproc/test_tokenized_workers.py; the built dataset trains: tests/multiproc/test_tokenized_training.py.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_tokenized.py
 """
@@ -15,56 +15,29 @@ import gzip
 import hashlib
 import json
 import lzma
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from faults import record
-from hfcheck import project_paragraphs, train_bpe
+from hfcheck import train_bpe
 
 from helpers.refusals import refused
-from helpers.training import SMALL
+from helpers.tokenized import EOS, project_docs, split_docs, write_inputs
 from hpctrain.cli.main import main as cli
-from hpctrain.config import load_config
 from hpctrain.data import tokenize as tokenized
-from hpctrain.data.tokenfiles import ArraySource, HDF5Source, check_records, tokenizer_file, val_file
-from hpctrain.job import session
-from hpctrain.train.trainer import Trainer
-
-EOS = "<|endoftext|>"
-
-
-def _docs() -> list[str]:
-    return project_paragraphs(60)
+from hpctrain.data.tokenfiles import ArraySource, HDF5Source, check_records, tokenizer_file
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
-    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", _docs(), eos=EOS)
+    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", project_docs(), eos=EOS)
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("inputs")
-    docs = _docs()
-    texts = root / "texts"
-    texts.mkdir()
-    for i, d in enumerate(docs[:10]):
-        (texts / f"d{i:02d}.txt").write_text(d)
-    lines = "\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs[10:40]))
-    (root / "more.jsonl").write_text(lines + "\n")
-    (root / "more.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
-    (root / "a.txt.bz2").write_bytes(bz2.compress(docs[40].encode()))
-    (root / "b.txt.xz").write_bytes(lzma.compress(docs[41].encode()))
-    return {"root": root, "texts": texts, "docs": docs}
-
-
-def _split_docs(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
-    ends = np.flatnonzero(tokens == eos)
-    assert ends.size and ends[-1] == tokens.size - 1  # every document, the last too, ends with EOS
-    return np.split(tokens, ends + 1)[:-1]
+    return write_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def test_documents_round_trip_and_end_with_eos(bpe, inputs, tmp_path) -> None:
@@ -78,7 +51,7 @@ def test_documents_round_trip_and_end_with_eos(bpe, inputs, tmp_path) -> None:
     src = ArraySource(out)
     tokens = src.read(0, len(src))
     eos = tok.token_to_id(EOS)
-    got = [tok.decode(d[:-1].tolist()) for d in _split_docs(tokens, eos)]
+    got = [tok.decode(d[:-1].tolist()) for d in split_docs(tokens, eos)]
     assert got == want
     assert s["documents"] == len(want) and s["tokens"] == len(src) and s["dtype"] == "uint16"
     record = src.record
@@ -88,23 +61,6 @@ def test_documents_round_trip_and_end_with_eos(bpe, inputs, tmp_path) -> None:
     assert tokenizer_file(out).read_bytes() == bpe.read_bytes()
 
 
-@pytest.mark.parametrize("suffix", [".bin", ".h5"])
-def test_workers_write_the_same_bytes_and_the_split_is_fixed(bpe, inputs, tmp_path, suffix) -> None:
-    args = ([inputs["texts"], inputs["root"] / "more.jsonl"], bpe)
-    one = tokenized.build_tokenized(args[0], tmp_path / f"w1{suffix}", bpe, field="body", workers=1,
-                                    val_fraction=0.25, seed=3)
-    two = tokenized.build_tokenized(args[0], tmp_path / f"w2{suffix}", bpe, field="body", workers=2,
-                                    val_fraction=0.25, seed=3)
-    read = HDF5Source if suffix == ".h5" else ArraySource
-    for a, b in ((one["path"], two["path"]), (one["val_path"], two["val_path"])):
-        assert np.array_equal(read(a).read(0, 10 ** 6), read(b).read(0, 10 ** 6))
-    total = one["documents"] + one["val_documents"]
-    assert total == 40 and 3 <= one["val_documents"] <= 18  # about a quarter of 40
-    assert one["val_path"] == val_file(one["path"]) and read(one["val_path"]).record["split"] == "val"
-    other = tokenized.build_tokenized(args[0], tmp_path / f"s{suffix}", bpe, field="body", val_fraction=0.25,
-                                      seed=4, workers=1)
-    assert other["val_documents"] != one["val_documents"] or not np.array_equal(
-        read(other["val_path"]).read(0, 10 ** 6), read(one["val_path"]).read(0, 10 ** 6))
 
 
 def test_uint32_when_the_vocabulary_needs_it(tmp_path) -> None:
@@ -151,24 +107,6 @@ def test_records_are_checked_across_files_and_against_the_model(bpe, inputs, tmp
     refused(ArraySource, b, fragments=["eos_id = 1000000 is not below its vocab_size"])
 
 
-def test_cli_builds_and_the_dataset_trains(bpe, inputs, tmp_path) -> None:
-    out = tmp_path / "data" / "corpus.bin"
-    res = CliRunner().invoke(cli, ["data", "build", str(out), str(inputs["texts"]), str(inputs["root"] / "more.jsonl"),
-                                   "--tokenizer", str(bpe), "--field", "body", "--val-fraction", "0.2",
-                                   "--workers", "1"])
-    assert res.exit_code == 0, res.output
-    assert "documents" in res.output and "validation" in res.output
-    bad = CliRunner().invoke(cli, ["data", "build", str(tmp_path / "b.bin"), str(inputs["texts"]), "--val-fraction",
-                                   "0.1"])
-    assert bad.exit_code == 2 and "--val-fraction need --tokenizer" in bad.output
-    vocab = ArraySource(out).record["vocab_size"]
-    cfg = load_config(None, SMALL + [f"model.vocab_size={vocab}", "data.source=bin", f"data.path={out}",
-                                     "train.steps=3", "train.eval_every=3", "train.eval_batches=2",
-                                     f"job.run_root={tmp_path / 'runs'}", f"checkpoint.dir={tmp_path / 'ck'}"])
-    with session.start(cfg) as s:
-        res = Trainer(cfg, s).fit()
-    assert all(math.isfinite(v) for v in res["losses"]) and res["losses"][0] < math.log(vocab) + 0.5
-    assert res["val_losses"][0][0] == 3 and math.isfinite(res["val_loss"])
 
 
 def test_text_spelling_the_eos_token_stays_text(bpe, tmp_path) -> None:
@@ -238,29 +176,6 @@ def test_text_read_in_pieces_decodes_as_text_mode_did(tmp_path, monkeypatch) -> 
     refused(list, tokenized.document_pieces(tmp_path / "cut.txt"), fragments=["cut.txt", "not UTF-8", "byte 7"])
 
 
-def test_long_documents_are_encoded_in_pieces_with_one_eos(bpe, inputs, tmp_path, monkeypatch) -> None:
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(bpe))
-    eos = tok.token_to_id(EOS)
-    long_text = "no spaces here:" + "y" * 700 + "\n" + " ".join(["word"] * 300) + "\nend"
-    (tmp_path / "long.txt").write_text(long_text)
-    files = [inputs["texts"], inputs["root"] / "more.jsonl", tmp_path / "long.txt"]
-    want = inputs["docs"][:10] + inputs["docs"][10:40] + [long_text]
-    assert sum(len(d) > 200 for d in want) >= 10
-    monkeypatch.setattr(tokenized, "_COPY_TOKENS", 7)  # the main process copies a worker's documents in pieces too
-    built = {}
-    for workers, piece_chars in ((1, 200), (2, 200), (1, tokenized.MAX_PIECE_CHARS)):
-        s = tokenized.build_tokenized(files, tmp_path / f"w{workers}p{piece_chars}.bin", bpe, field="body",
-                                      workers=workers, piece_chars=piece_chars, val_fraction=0.3, seed=5)
-        splits = [ArraySource(p) for p in (s["path"], s["val_path"])]
-        docs = [[tok.decode(d[:-1].tolist()) for d in _split_docs(src.read(0, len(src)), eos)] for src in splits]
-        assert sorted(docs[0] + docs[1]) == sorted(want)  # every document whole, one EOS each
-        assert [src.record["num_docs"] for src in splits] == [len(d) for d in docs]
-        built[workers, piece_chars] = [src.read(0, len(src)) for src in splits], docs
-    (a, docs_a), (b, _), (_, docs_whole) = built.values()
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))  # any number of workers, the same bytes
-    assert docs_a == docs_whole  # a document goes to one split whatever its pieces
-    refused(tokenized.build_tokenized, files, tmp_path / "x.bin", bpe, piece_chars=1, fragments=["piece_chars 1"])
 
 
 BAD_LINES = {
@@ -309,7 +224,7 @@ def test_bad_lines_and_damaged_streams_are_clean_errors(bpe, tmp_path) -> None:
 
 def test_zstd_frames_are_all_read_and_a_cut_stream_is_an_error(bpe, tmp_path) -> None:
     zstandard = pytest.importorskip("zstandard")
-    docs = _docs()
+    docs = project_docs()
     frames = [zstandard.ZstdCompressor().compress("\n".join(docs[:30]).encode()),
               zstandard.ZstdCompressor(write_checksum=True).compress(("\n" + "\n".join(docs[30:])).encode())]
     data = b"".join(frames)  # several frames, as pzstd and concatenated files have
@@ -349,5 +264,5 @@ def test_a_json_line_past_the_bound_is_refused_and_the_bound_can_be_raised(bpe, 
                                    "--tokenizer", str(bpe), "--max-line-mib", "2", "--workers", "1"])
     assert res.exit_code == 0, res.output
     tok = Tokenizer.from_file(str(bpe))
-    docs = _split_docs(ArraySource(tmp_path / "ok.bin").read(0, 10 ** 7), tok.token_to_id(EOS))
+    docs = split_docs(ArraySource(tmp_path / "ok.bin").read(0, 10 ** 7), tok.token_to_id(EOS))
     assert [tok.decode(d[:-1].tolist()) for d in docs] == ["short", text]

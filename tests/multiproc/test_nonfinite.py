@@ -8,7 +8,7 @@ its first step says that it wrote nothing. The non-finite steps come from a trai
 update overflows the next forward, from weights set to nan after the seeded init, or from gradients set to inf by a
 hook (all test-side).
 
-    .venv/bin/python -m pytest -q tests/pure/test_nonfinite.py
+    .venv/bin/python -m pytest -q tests/multiproc/test_nonfinite.py
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_nonfinite_steps_stop_the_run_at_the_limit_with_no_checkpoint_of_them(tm
     assert not summary["ok"] and "NonFiniteSteps: training stopped at step 4" in summary["error"]
     record("every step non-finite after the first (train.lr = 1e30 overflows the weights)", "NonFiniteSteps naming "
            "the step after train.max_nonfinite_steps; no checkpoint committed (the periodic one inside the streak "
-           "waited)", tier="pure")
+           "waited)", tier="multiproc")
 
 
 def test_a_run_whose_every_step_is_nonfinite_fails_below_the_limit(tmp_path, monkeypatch) -> None:
@@ -129,7 +129,7 @@ def test_a_run_whose_every_step_is_nonfinite_fails_below_the_limit(tmp_path, mon
         info.value)
     assert _steps(tmp_path) == []  # the final save was not made
     record("every step non-finite (nan weights), fewer steps than the limit", "NonFiniteSteps at the end; no final "
-           "checkpoint", tier="pure")
+           "checkpoint", tier="multiproc")
 
 
 def test_fused_optimizer_counts_on_the_device_and_is_read_on_log_steps(tmp_path, monkeypatch) -> None:
@@ -152,7 +152,7 @@ def test_a_short_streak_trains_on_and_its_periodic_save_waits_for_a_finite_step(
     assert _steps(tmp_path) == [4, 6, 7]  # step 3's save waited for step 4, the first finite one
     assert "checkpoint of step 3 waits for the first finite step: the last 2 steps were non-finite" in log
     record("two non-finite steps (inf gradients) with train.max_nonfinite_steps = 3", "the run trains on; the "
-           "periodic save due inside the streak is committed at the first finite step", tier="pure")
+           "periodic save due inside the streak is committed at the first finite step", tier="multiproc")
 
 
 def test_the_final_save_after_a_short_streak_keeps_the_work(tmp_path) -> None:
@@ -179,7 +179,7 @@ def test_preemption_saves_during_a_short_streak_but_not_after_nothing_but_nonfin
     assert out["preempted"] and out["preempt_checkpoint"] is None and _steps(tmp_path / "b") == []
     assert "preempted at step 2: no checkpoint written: every step of this attempt was non-finite" in log
     record("preemption after 2 non-finite steps, with and without a finite step before them", "the checkpoint "
-           "is committed after a finite step, not when nothing was trained; the log says which", tier="pure")
+           "is committed after a finite step, not when nothing was trained; the log says which", tier="multiproc")
 
 
 def test_preemption_before_the_first_step_says_nothing_was_written(tmp_path, monkeypatch) -> None:
@@ -200,7 +200,7 @@ def test_preemption_before_the_first_step_says_nothing_was_written(tmp_path, mon
     assert "preempted at step 2: no checkpoint written: nothing trained since the resume, step 2's checkpoint " \
            "stays the newest" in log
     record("preemption before the first step (fresh, and right after a resume)", "no checkpoint written and the "
-           "log says so (it said \"checkpoint committed\")", tier="pure")
+           "log says so (it said \"checkpoint committed\")", tier="multiproc")
 
 
 def test_hpctrain_train_exits_1_naming_the_step(tmp_path) -> None:

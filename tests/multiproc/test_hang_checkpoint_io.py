@@ -1,7 +1,7 @@
 """Hang limits that follow a checkpoint's work (issue 26): a save or resume on slow storage that moves bytes is no
 hang, however long it takes; one whose read stops still is.
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_hang_checkpoint_io.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hang_checkpoint_io.py
 
 Storage is slowed by patching the HDF5 layer under tests/ (every dataset read or written sleeps); the watchdog
 runs with a start-up limit shorter than the whole save or load. The heartbeat's progress (Heartbeat.advance,

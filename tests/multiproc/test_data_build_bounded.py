@@ -12,7 +12,7 @@ The peak is measured by tests/workers/peak_rss.py, which kills a child that pass
 regression fails the test without taking the machine's memory. By hand (not in the suite), the byte-level build of
 a 1 GiB single-line file peaked at 51 MB and took 12 s here.
 
-    .venv/bin/python -m pytest -q tests/pure/test_data_build_bounded.py
+    .venv/bin/python -m pytest -q tests/multiproc/test_data_build_bounded.py
 """
 from __future__ import annotations
 

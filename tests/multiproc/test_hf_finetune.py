@@ -5,7 +5,7 @@ with validation loss, records the tokenizer in its checkpoints (which still veri
 --format hf` hands back a directory whose model transformers loads with the trained logits and whose tokenizer
 is the one the data was made with. Data made with another tokenizer is refused at submission.
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_hf_finetune.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hf_finetune.py
 """
 from __future__ import annotations
 

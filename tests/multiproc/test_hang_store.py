@@ -1,6 +1,6 @@
 """Hang requests and answers through the job's store, not through a shared file system's caches (issue 26).
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_hang_store.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hang_store.py
 
 On an NFS home a file one node writes shows on another node up to a minute later (attribute and lookup caches),
 while the ranks have a grace of seconds to answer a hang. Four ranks' watchdogs in one process (rank 1 stopped: a

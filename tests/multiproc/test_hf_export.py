@@ -5,7 +5,7 @@ ones rounded; a run configured tied is exported as what it saved; tokenizer file
 output paths, dtypes, damaged or mismatched checkpoints are refused and leave nothing behind. The tp2 x dp2
 ZeRO-3 export is tests/multiproc/test_checkpoint_train.py's.
 
-    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/test_hf_export.py
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/test_hf_export.py
 """
 from __future__ import annotations
 

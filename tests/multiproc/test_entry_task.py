@@ -1,7 +1,7 @@
 """A submitted task takes USR2 and TERM from its first moment (hpctrain/entry.py's task runner, the python command
 launch.py gives submitit): a signal while submitit loads the task is kept for the task, not fatal.
 
-    pytest tests/pure/test_entry_task.py
+    pytest tests/multiproc/test_entry_task.py
 """
 from __future__ import annotations
 

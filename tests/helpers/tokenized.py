@@ -1,0 +1,40 @@
+"""Inputs for tokenized builds (`hpctrain data build --tokenizer`): documents cut from this repository's own files,
+the same documents written as text files, JSON lines (field "body") and gzip/bz2/xz inputs, and the split of a
+built token stream back into documents."""
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+from pathlib import Path
+
+import numpy as np
+from hfcheck import project_paragraphs
+
+EOS = "<|endoftext|>"
+
+
+def project_docs() -> list[str]:
+    return project_paragraphs(60)
+
+
+def write_inputs(root: Path) -> dict:
+    """Under root: texts/ (documents 0-9), more.jsonl and more.jsonl.gz (10-39), a.txt.bz2 (40), b.txt.xz (41)."""
+    docs = project_docs()
+    texts = root / "texts"
+    texts.mkdir()
+    for i, d in enumerate(docs[:10]):
+        (texts / f"d{i:02d}.txt").write_text(d)
+    lines = "\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs[10:40]))
+    (root / "more.jsonl").write_text(lines + "\n")
+    (root / "more.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (root / "a.txt.bz2").write_bytes(bz2.compress(docs[40].encode()))
+    (root / "b.txt.xz").write_bytes(lzma.compress(docs[41].encode()))
+    return {"root": root, "texts": texts, "docs": docs}
+
+
+def split_docs(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
+    ends = np.flatnonzero(tokens == eos)
+    assert ends.size and ends[-1] == tokens.size - 1  # every document, the last too, ends with EOS
+    return np.split(tokens, ends + 1)[:-1]
