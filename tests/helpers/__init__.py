@@ -7,7 +7,10 @@
 - training: the tiny model's settings, the 1-rank training reference and the layout comparison, initialisation
   draws;
 - ckpt_bytes: checkpoint tensors, a flipped byte, bitwise comparison of stored datasets;
-- locks: checkpoint directory lock records.
+- locks: checkpoint directory lock records, a dead pid;
+- hang: hang files as ranks write them (heartbeats, dumps, requests, metrics rows), a watchdog under test;
+- blends: token files for blend tests;
+- tokenized: inputs for tokenized builds and the split of a built stream into documents.
 
 Test files of every tier (tests/pure, tests/multiproc, tests/cluster) import these: tests/conftest.py puts tests/
 on sys.path. The worker scripts in tests/workers/ put it there themselves (they run as scripts). Nothing of
