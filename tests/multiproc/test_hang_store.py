@@ -148,14 +148,14 @@ def test_answers_reach_the_first_rank_while_files_appear_late(tmp_path, monkeypa
             dogs.append(dog)
         dogs[-1].on_end = functools.partial(hangrequeue.after_hang, tmp_path, 1, 4)  # rank 2's (session.start)
         hbs[2].since -= 30  # past its step limit, now that the shim knows every watchdog thread's rank
-        _until(lambda: ended and (tmp_path / "hang.jsonl").exists(), 20, "the first rank never ended the job")
+        _until(lambda: ended and (tmp_path / "requeues.jsonl").exists(), 20, "the first rank never ended the job")
         if through_store:
             seconds = _until(lambda: len(ended) == 3, 10, f"not every live rank ended: {ended}")
     finally:
         for dog in dogs:
             dog.stop()
         released.set()
-    outcome = json.loads((tmp_path / "hang.jsonl").read_text().splitlines()[-1])
+    outcome = json.loads((tmp_path / "requeues.jsonl").read_text().splitlines()[-1])
     blamed = {c["rank"]: c["dumped"] for c in outcome["culprits"]}
     if not through_store:  # the shim bites: ranks 0 and 3 never saw the request, and their nodes are blamed
         assert outcome["nodes"] == ["n0", "n1", "n3"] and blamed == {0: False, 1: False, 3: False}, outcome
