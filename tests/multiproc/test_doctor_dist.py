@@ -55,7 +55,7 @@ def test_doctor_on_four_ranks(tmp_path) -> None:
 
     failing = _seen(tmp_path, "preflight_slowed")
     for f in failing:
-        assert "preflight failed: not a Slurm job: nothing to requeue" in f.get("raised", ""), f
+        assert "preflight failed: not a Slurm job: not requeued" in f.get("raised", ""), f
         assert "--exclude=node0" in f["raised"] and "FAIL gemm rank 0 on node0" in f["raised"]
     assert not list((tmp_path / "preflight_slowed").glob("*/metrics.jsonl"))  # failed before any training step
     record("job.preflight with a node slowed 10x, outside Slurm", "the training job fails on every rank with the "
