@@ -1,4 +1,5 @@
-"""Inputs for tokenized builds (`hpctrain data build --tokenizer`): documents cut from this repository's own files,
+"""Inputs for data builds: for byte-level ones (`hpctrain data build`) a small tree of text files; for tokenized
+ones (`--tokenizer`) documents cut from this repository's own files,
 the same documents written as text files, JSON lines (field "body") and gzip/bz2/xz inputs, and the split of a
 built token stream back into documents."""
 from __future__ import annotations
@@ -38,3 +39,18 @@ def split_docs(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
     ends = np.flatnonzero(tokens == eos)
     assert ends.size and ends[-1] == tokens.size - 1  # every document, the last too, ends with EOS
     return np.split(tokens, ends + 1)[:-1]
+
+
+def write_text_tree(root: Path) -> Path:
+    """A small tree under root/src for byte-level builds: two text files, a nested one, a binary file under a text
+    suffix and a cache directory, both of which a build must skip."""
+    src = root / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "__pycache__").mkdir()
+    (src / "b.md").write_text("# heading\nsome words\n")
+    (src / "a.py").write_text("print('h\u00e9llo \u4e16\u754c')\n")
+    (src / "sub" / "c.toml").write_text("[x]\ny = 1\n")
+    (src / "blob.txt").write_bytes(b"\x89PNG\x00\x01\x02")  # binary under a text suffix: skipped
+    (src / "ignored.bin").write_bytes(b"not a text suffix")
+    (src / "__pycache__" / "d.py").write_text("cache = True\n")
+    return src

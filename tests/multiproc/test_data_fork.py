@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.tokenized import write_text_tree
 from hpctrain.config import DataConfig
 from hpctrain.data.build import build_dataset
 from hpctrain.data.loader import open_source
@@ -17,17 +18,7 @@ SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}
 
 @pytest.fixture
 def texts(tmp_path: Path) -> Path:
-    """A small tree: two text files, a nested one, a binary file and a cache directory that must be ignored."""
-    root = tmp_path / "src"
-    (root / "sub").mkdir(parents=True)
-    (root / "__pycache__").mkdir()
-    (root / "b.md").write_text("# heading\nsome words\n")
-    (root / "a.py").write_text("print('h\u00e9llo \u4e16\u754c')\n")
-    (root / "sub" / "c.toml").write_text("[x]\ny = 1\n")
-    (root / "blob.txt").write_bytes(b"\x89PNG\x00\x01\x02")  # binary under a text suffix: skipped
-    (root / "ignored.bin").write_bytes(b"not a text suffix")
-    (root / "__pycache__" / "d.py").write_text("cache = True\n")
-    return root
+    return write_text_tree(tmp_path)
 
 
 def _read_in_child(source, queue) -> None:

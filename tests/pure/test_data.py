@@ -19,6 +19,7 @@ from faults import record
 
 from helpers.launch import REPO
 from helpers.refusals import refused
+from helpers.tokenized import write_text_tree
 from hpctrain.config import DataConfig
 from hpctrain.data.build import build_dataset, project_corpus_inputs
 from hpctrain.data.loader import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source
@@ -38,17 +39,7 @@ def same(a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor,
 
 @pytest.fixture
 def texts(tmp_path: Path) -> Path:
-    """A small tree: two text files, a nested one, a binary file and a cache directory that must be ignored."""
-    root = tmp_path / "src"
-    (root / "sub").mkdir(parents=True)
-    (root / "__pycache__").mkdir()
-    (root / "b.md").write_text("# heading\nsome words\n")
-    (root / "a.py").write_text("print('h\u00e9llo \u4e16\u754c')\n")
-    (root / "sub" / "c.toml").write_text("[x]\ny = 1\n")
-    (root / "blob.txt").write_bytes(b"\x89PNG\x00\x01\x02")  # binary under a text suffix: skipped
-    (root / "ignored.bin").write_bytes(b"not a text suffix")
-    (root / "__pycache__" / "d.py").write_text("cache = True\n")
-    return root
+    return write_text_tree(tmp_path)
 
 
 def expected_tokens(*docs: str) -> list[int]:
