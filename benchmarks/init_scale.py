@@ -5,7 +5,8 @@ simulated on CPU: time and peak host memory of filling the rank's shards, agains
 
 One process joins torch's fake process group as rank R of 128 (its collectives do nothing: it only gives the
 rank's mesh coordinates, hence its shard shapes and offsets; correctness is
-tests/multiproc/test_init_scale_shards.py's, on real gloo ranks). The model is built as the trainer builds it (meta
+tests/multiproc/model/test_init_scale_shards.py's, on real gloo ranks). The model is built as the trainer builds it
+(meta
 device, TP plan, checkpointing, FSDP2), then:
   alloc+fill  parallel.materialize.materialize: the shards allocated (to_empty) and filled tile by tile (init_weights);
   memory      the resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs just before) minus

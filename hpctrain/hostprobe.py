@@ -10,7 +10,7 @@ directory: its file system (NFS?) and the quota left on it.
     nfs_warning("job.run_root", path, mount_table(), home, scratch)    # str or None
     room_warning("checkpoint.dir", path, ckpt_bytes, keep, free, quota)  # str or None
 
-Tests: pytest tests/pure/test_doctor_probe.py tests/pure/test_storage_warnings.py
+Tests: pytest tests/pure/doctor/test_doctor_probe.py tests/pure/job/test_storage_warnings.py
 """
 from __future__ import annotations
 

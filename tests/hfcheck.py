@@ -1,7 +1,8 @@
 """The check that an exported Hugging Face directory computes what hpctrain computes: the logits of
 transformers' LlamaForCausalLM loaded from the export, against hpctrain's own Transformer holding the trained
 weights (taken from the live model, not read back from the checkpoint), on the same tokens. Used by
-tests/multiproc/test_hf_export.py (1 rank) and tests/multiproc/test_checkpoint_train.py (tp2 x dp2 ZeRO-3).
+tests/multiproc/hf/test_hf_export.py (1 rank) and tests/multiproc/checkpoint/test_checkpoint_train.py (tp2 x dp2
+ZeRO-3).
 Imports transformers, which `make install` brings in (setup.cfg extras "hf").
 """
 from __future__ import annotations

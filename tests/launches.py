@@ -1,7 +1,8 @@
 """Launches of real jobs for the fault and hang tests: a launcher in its own session with its output collected,
 rank processes found by their launcher's environment, and what a hang must leave behind.
 
-Used by tests/cluster/test_faults_launch.py, tests/cluster/test_hang.py and tests/multiproc/test_hang_local.py.
+Used by tests/cluster/job/test_faults_launch.py, tests/cluster/hang/test_hang.py and
+tests/multiproc/hang/test_hang_local.py.
 """
 from __future__ import annotations
 

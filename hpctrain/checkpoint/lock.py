@@ -6,7 +6,8 @@
 The primitive is an O_EXCL create, which works on local disks, Lustre and NFSv3+ (flock may not). A lock left
 behind is taken over only when its holder is provably gone: its pid is dead on this host, it is an earlier
 incarnation of this requeued Slurm job, or squeue says its job has ended. On any doubt (no squeue, a timeout, an
-unreadable record) acquire refuses and says how to clear the lock by hand. Tests: pytest tests/pure/test_ckpt_lock.py
+unreadable record) acquire refuses and says how to clear the lock by hand. Tests: pytest
+tests/pure/checkpoint/test_ckpt_lock.py
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ RoPE (no rope_scaling). max_seq_len is the run's choice (the positions trained),
 Every value read has its JSON type (a bool is true or false, never the string "false"; a size an integer; a float
 a finite number) or the run is refused naming the key and the value. Reads JSON only, through hpctrain.untrusted
 (size, nesting, lone surrogates, no link); imports nothing else of hpctrain, so hpctrain.config calls it while
-building a Config. Tests: pytest tests/pure/test_hfconfig.py
+building a Config. Tests: pytest tests/pure/config/test_hfconfig.py
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 [parallel], ...) its dataclass's docstring, and for every key its TOML type, its default and what it means, taken
 from the comment written for the field in hpctrain/config/sections.py (the comment lines right above the field,
 then the one beside it). The sections' source is the one place a key is described; docs/configuration.md holds
-this text between its markers, and tests/pure/test_config_reference.py fails when the two disagree.
+this text between its markers, and tests/pure/config/test_config_reference.py fails when the two disagree.
 
     python -m hpctrain.config.reference                                # print the reference (Markdown)
     python -m hpctrain.config.reference --write docs/configuration.md  # rewrite it between the page's markers

@@ -11,7 +11,8 @@ dp, ZeRO), checked against its crc32, converted to the chosen dtype and written,
 and its converted copy, never the model. Nothing is unpickled: sizes come from the COMMITTED marker's config
 (JSON) and every tensor's shape is checked against them. The directory is written beside DIR under a temporary
 name and renamed into place; an existing non-empty DIR is refused. This module imports no `transformers`: the
-tests load its output with it (tests/multiproc/test_hf_export.py, tests/multiproc/test_checkpoint_train.py).
+tests load its output with it (tests/multiproc/hf/test_hf_export.py,
+tests/multiproc/checkpoint/test_checkpoint_train.py).
 
 Conventions, and why:
 - Rotary layout: hpctrain's apply_rope rotates the two halves of each head (x1, x2 = chunk(2)) with frequency

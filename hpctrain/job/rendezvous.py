@@ -41,7 +41,7 @@ the host (torch picks a group's CPU backend when it has one), the same path CPU 
 it. The cost: a gloo context per group (TCP connections, host memory, an interface every rank reaches: gloo
 follows GLOO_SOCKET_IFNAME), and a host collective is a TCP round trip, so per-step collectives (the preemption
 poll) keep passing the rank's device and stay on NCCL. device_id is still passed for NCCL: the communicator
-connects at init, on the bound GPU, and subgroups split from it. tests/multiproc/test_device_collectives.py checks
+connects at init, on the bound GPU, and subgroups split from it. tests/multiproc/job/test_device_collectives.py checks
 this on CPU, the NCCL path emulated on gloo by patching this module from outside (tests/plugins/seams.py).
 
 gloo connects lazily (lazy_gloo): a pair of ranks opens its TCP connection on its first message, not every pair of

@@ -7,7 +7,7 @@ gradient sync, clipping and optimizer step, model states included, from the plan
     out = peak(cfg, plan, states, pp_rank)              # {"peak", "activations", "phase"}; states: memory.py's
 
 The step's moments, each a candidate; the peak is the largest (every term seen in the live tensors of real ranks,
-tests/multiproc/test_planner_memory.py):
+tests/multiproc/planner/test_planner_memory.py):
 - "backward": the backward that starts with the most micro-batches in flight. Always the fp32 masters and AdamW
   state. The gradients that already exist: DDP's buckets all step (under no_sync a second, unbucketed set for
   the micro-batches before the last); otherwise those of an earlier micro-batch's backward (grad_accum > 1;

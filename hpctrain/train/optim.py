@@ -9,8 +9,9 @@ pipeline stages, and a dynamic loss scaler for fp16.
     skipped = step_or_skip(opt, norm, finite, loss_scaled=False)  # a non-finite step never reaches the weights
     scaler = LossScaler(enabled=precision == "fp16", init_scale=t.loss_scale)
 
-Tested through training: tests/multiproc/test_train_equivalence.py (grad norms against a one-process reference, the
-skipped non-finite step) and tests/multiproc/test_grad_scale_mutations.py.
+Tested through training: tests/multiproc/parallel/test_train_equivalence.py (grad norms against a one-process reference,
+the
+skipped non-finite step) and tests/multiproc/parallel/test_grad_scale_mutations.py.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from hpctrain.train.trainer import Trainer
 
 
-# run_case runs in the test process as the 1-rank reference (multiproc/test_train_equivalence.py,
-# multiproc/test_grad_scale_mutations.py) and in every rank of workers/train_worker.py.
+# run_case runs in the test process as the 1-rank reference (multiproc/parallel/test_train_equivalence.py,
+# multiproc/parallel/test_grad_scale_mutations.py) and in every rank of workers/train_worker.py.
 
 TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
         "data.source=synthetic", "data.seq_len=32", "train.steps=8", "train.lr=1e-3", "train.warmup_steps=2",

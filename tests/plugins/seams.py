@@ -104,7 +104,7 @@ _faults_said: set[str] = set()
 
 def inject_fault(spec: str, point: str, rank: int, step: int | None = None) -> None:
     """Acts as `spec` (SEAM_FAULT's form) says when it names this rank and point. The name shows in hang
-    reports' stacks (tests/cluster/test_hang.py looks for it)."""
+    reports' stacks (tests/cluster/hang/test_hang.py looks for it)."""
     action, fault_rank, fault_point = spec.split(":")
     if int(fault_rank) != rank or fault_point not in (point, f"{point}{step}"):
         return
@@ -209,7 +209,7 @@ def doctor_slow(spec: str | None) -> Iterator[None]:
         yield
 
 
-# --- deliberate gradient-scale bugs (tests/multiproc/test_grad_scale_mutations.py) ---------------------------
+# --- deliberate gradient-scale bugs (tests/multiproc/parallel/test_grad_scale_mutations.py) ---------------------------
 
 # name -> (what the layout needs for the bug to act, the bug)
 MUTATIONS = {"dp_sum": ("dp > 1", "the dp reduction sums instead of averaging"),
@@ -305,7 +305,7 @@ def wrong_element() -> Iterator[None]:
         yield
 
 
-# --- NCCL's code path on a CPU-only torch (tests/multiproc/test_device_collectives.py) --------------------------
+# --- NCCL's code path on a CPU-only torch (tests/multiproc/job/test_device_collectives.py) --------------------------
 
 def emulated_device_backend(config: str) -> str:
     """The backend string with every NCCL entry served by gloo instead, each for the same device types only:

@@ -260,3 +260,14 @@ def test_checker_catches_injected_violations() -> None:
         "low is in ORDER 2 times", "hpctrain/unplaced has no place: add it to ORDER here and to "
         "docs/architecture.md's Layout paragraph", "ORDER names gone, which is no package or module of hpctrain"]
     assert render(order[:2]) == "0 `__init__`, `low`; 1 `sub`"
+
+
+def test_test_folders_mirror_the_packages() -> None:
+    """Inside each tier a test file sits in the folder of the package it tests, or at the tier's top (the plain
+    modules and the checks of the whole house): a folder that names no package of hpctrain is refused."""
+    packages = {p.name for p in (REPO / "hpctrain").iterdir() if (p / "__init__.py").is_file()}
+    for tier in ("pure", "multiproc", "cluster"):
+        folders = {p.name for p in (REPO / "tests" / tier).iterdir() if p.is_dir() and p.name != "__pycache__"}
+        assert folders, tier
+        assert folders <= packages, (tier, sorted(folders - packages))
+        assert not list((REPO / "tests" / tier).glob("*/*/test_*.py")), f"tests/{tier}: one folder level only"

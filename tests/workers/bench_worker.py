@@ -1,4 +1,4 @@
-"""One rank of the multi-process benchmark tests (started 2 or 4 times by tests/multiproc/test_bench_dist.py
+"""One rank of the multi-process benchmark tests (started 2 or 4 times by tests/multiproc/bench/test_bench_dist.py
 with torchrun's variables).
 
 Runs several cases in one process to pay for `import torch` once; each case gets its own port and run root.

@@ -1,4 +1,5 @@
-"""One rank of tests/multiproc/test_data_ids_ranks.py: in one session of 2 gloo ranks, token files with no record from
+"""One rank of tests/multiproc/data/test_data_ids_ranks.py: in one session of 2 gloo ranks, token files with no record
+from
 data build are opened the job-start way (data.check_ids_at_start, then open_sources), through the Trainer and
 directly, and this rank records which files it scanned (every call of tokenfiles._scan_ids, slowed here so a scan
 spans several rounds), what it then knows of each file or the error it raised, and its heartbeat's details.

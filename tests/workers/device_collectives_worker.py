@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_device_collectives.py (2 ranks with Slurm's variables, file rendezvous, the
+"""One rank of tests/multiproc/job/test_device_collectives.py (2 ranks with Slurm's variables, file rendezvous, the
 NCCL code path emulated on gloo by tests/plugins/seams.py's emulate_nccl): the control collectives on the default
 group NCCL alone would give, then on ours (and the gradient norm of a pipeline rank without gradients), then
 training with asynchronous and final saves and a resume. Writes OUT/rank<r>.json.

@@ -1,4 +1,5 @@
-"""One rank of the multi-process CPU tests (started 4 times by tests/multiproc/test_dist.py with torchrun's variables).
+"""One rank of the multi-process CPU tests (started 4 times by tests/multiproc/parallel/test_dist.py with torchrun's
+variables).
 
 Runs several layouts in one process to pay for `import torch` once; each layout gets its own port and run
 root. Writes what happened per layout to <out>/rank<r>.json.

@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_doctor_dist.py (4 ranks with torchrun's variables, 2 "nodes" of 2 named
+"""One rank of tests/multiproc/doctor/test_doctor_dist.py (4 ranks with torchrun's variables, 2 "nodes" of 2 named
 node0 and node1): each case runs the doctor (doctor.run) or a training job with job.preflight, in one process,
 and writes what it saw to <out>/<case>-rank<r>.json. A case's "preempt": that rank signals itself (USR2) first."""
 from __future__ import annotations

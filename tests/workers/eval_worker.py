@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_eval_layouts.py: trains each case (a layout) a few steps with
+"""One rank of tests/multiproc/train/test_eval_layouts.py: trains each case (a layout) a few steps with
 train.eval_every and records, on rank 0, the run summary's training and validation losses."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`hpctrain data build ... --tokenizer tok.json` with the tokenizer's encoding replaced by a fast stand-in (a
 piece's UTF-8 bytes as its ids), so that a test can stream a gigabyte through everything else of a tokenizer
 build (decompression, decoding, document pieces, token files) in seconds. The real tokenizer's memory for its
-largest piece is measured on its own (tests/multiproc/test_data_build_bounded.py).
+largest piece is measured on its own (tests/multiproc/data/test_data_build_bounded.py).
 
     python tests/workers/fast_tokenizer_build.py data build OUT INPUT --tokenizer tok.json
 """

@@ -1,4 +1,5 @@
-"""One rank of the multi-process HDF5 checkpoint test (started twice by tests/multiproc/test_hdf5_storage.py with
+"""One rank of the multi-process HDF5 checkpoint test (started twice by tests/multiproc/checkpoint/test_hdf5_storage.py
+with
 torchrun's variables). Several checks share one process group to pay for `import torch` once:
 
   reshard    save DTensors sharded one way (Shard(0), uneven Shard(0), Shard(1), Replicate), load them sharded

@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_hf_import_layouts.py: for each case (a layout), starts a Trainer
+"""One rank of tests/multiproc/hf/test_hf_import_layouts.py: for each case (a layout), starts a Trainer
 whose train.init_from names the test's HF directory, lets Trainer.start import it, and records the whole weights
 (gathered over every shard and stage) and whether every rank's output projection is its embedding (tied);
 with "save", also saves the imported weights as a checkpoint (step 0),

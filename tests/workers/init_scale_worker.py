@@ -1,4 +1,4 @@
-"""One rank of the real-layout initialisation test (tests/multiproc/test_init_scale_shards.py, 4 ranks with
+"""One rank of the real-layout initialisation test (tests/multiproc/model/test_init_scale_shards.py, 4 ranks with
 torchrun's variables): for each case, builds the parallel model on the session's mesh and saves every parameter's
 shard, its box in the full tensor and the elements this rank drew (helpers.training.counting_tiles).
 

@@ -1,4 +1,5 @@
-"""One rank of tests/multiproc/test_planner_memory.py: builds the Trainer of each case in turn and runs two steps.
+"""One rank of tests/multiproc/planner/test_planner_memory.py: builds the Trainer of each case in turn and runs two
+steps.
 The first records the model-state bytes this rank holds, counted from the real tensors (distinct storages; a
 DTensor's local shard): parameters at their fullest (after each forward: gathered ones under ZeRO-2 and under
 pipeline parallel, plus FSDP2's sharded copy beside them), gradients and AdamW's exp_avg/exp_avg_sq after the step.

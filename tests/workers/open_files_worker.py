@@ -1,4 +1,4 @@
-"""One rank of tests/multiproc/test_open_files.py: a short training job through session.start (Slurm's variables,
+"""One rank of tests/multiproc/job/test_open_files.py: a short training job through session.start (Slurm's variables,
 file rendezvous), started by the test under a low soft RLIMIT_NOFILE. At the end, after a barrier, the rank counts
 its own descriptors from /proc/self/fd (TCP sockets split into established and listening by /proc/self/net/tcp*)
 and writes OUT/rank<r>.json with the counts, its limits and the layout.

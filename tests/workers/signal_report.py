@@ -1,4 +1,4 @@
-"""A task for tests/multiproc/test_entry_task.py, pickled by submitit: reports what the task's process did with the
+"""A task for tests/multiproc/job/test_entry_task.py, pickled by submitit: reports what the task's process did with the
 signals it received before the task ran."""
 from __future__ import annotations
 

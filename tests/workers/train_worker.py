@@ -1,7 +1,8 @@
 """One rank of a torchrun-style spawn that trains several cases in turn (helpers.training.run_case: each case's per-step
 losses, pre-clip gradient norms and final full weights; also, on rank 0, each FSDP module's reshard_after_forward
-and the all-gathers of the last step), for tests/multiproc/test_train_equivalence.py and
-tests/multiproc/test_grad_scale_mutations.py. A case may name a deliberate gradient bug ("mutation": patched in by
+and the all-gathers of the last step), for tests/multiproc/parallel/test_train_equivalence.py and
+tests/multiproc/parallel/test_grad_scale_mutations.py. A case may name a deliberate gradient bug ("mutation": patched in
+by
 tests/plugins/seams.py's gradient_mutation, for that case only). The test process runs
 helpers.training.run_case itself as
 the 1-rank reference.

@@ -1,4 +1,4 @@
-"""Stands in for click on the PYTHONPATH of tests/multiproc/test_doctor_signals.py: the process's first
+"""Stands in for click on the PYTHONPATH of tests/multiproc/doctor/test_doctor_signals.py: the process's first
 `import click` (hpctrain.cli.main's first heavy import, ~0.1 s before the command line is parsed) sends the process the
 signal named by HPCTRAIN_TEST_SIGNAL, then puts the real click in its place. A launcher's signal in the first
 milliseconds of a rank, at the same moment every run."""

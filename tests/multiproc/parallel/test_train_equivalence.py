@@ -1,0 +1,156 @@
+"""Multi-process tier for training: every layout trains the same model as one process.
+
+Same seed, same data, 8 steps of a tiny Llama on gloo: per-step losses, per-step pre-clip gradient norms and final
+full weights of each layout must match the single-process reference within fp32 tolerance (reduction order
+differs across layouts). The gradient norm is the check that sees gradient scale: AdamW is invariant to a constant
+factor on the gradients, so a dp reduction that sums instead of averaging, or a missing 1/grad_accum, leaves losses
+and weights alone unless clipping happens to engage (tests/multiproc/parallel/test_grad_scale_mutations.py proves it).
+bf16
+is held to stated looser tolerances; fp16 must skip exactly the step whose gradients were made infinite.
+Pipeline layouts (GPipe, 1F1B, interleaved, ZBV zero bubble, with tp and with dp/ZeRO) are held to the same
+tolerances; their weights are gathered from every stage.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers.training import (
+    BF16_LOSS_TOL,
+    BF16_NORM_RTOL,
+    LOSS_TOL,
+    NORM_RTOL,
+    WEIGHT_TOL,
+    compare_runs,
+    norm_errors,
+    run_case,
+    spawn_train_worker,
+)
+
+PP = ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
+FOUR_LAYERS = ["model.n_layers=4"]  # 2 virtual stages on each of 2 ranks: a block per stage
+TWO = [
+    {"name": "tp2", "overrides": ["parallel.tp=2"]},
+    {"name": "tp2_sp", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true"]},
+    *[{"name": f"dp2_zero{z}", "overrides": [f"parallel.zero_stage={z}", "train.micro_batch_size=4"]}
+      for z in range(4)],
+    {"name": "dp2_zero3_bf16", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4",
+                                             "train.precision=bf16"]},
+    {"name": "dp2_fp16_inf", "overrides": ["train.precision=fp16", "train.micro_batch_size=4"],
+     "inject_inf_step": 3},
+    # pipeline: 4 micro-batches of 2 per step, the reference's 8 sequences
+    *[{"name": f"pp2_{sched}", "overrides": PP + [f"parallel.pp_schedule={sched}"]} for sched in ("gpipe", "1f1b")],
+    {"name": "pp2_bf16", "overrides": PP + ["train.precision=bf16"]},
+    *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
+                                                                   "parallel.pp_virtual_stages=2"]}
+      for sched in ("interleaved_1f1b", "zbv")],
+]
+FOUR = [
+    {"name": "tp2dp2_zero3", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
+    {"name": "tp2dp2_zero3_tied", "overrides": ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4",
+                                                "model.tie_embeddings=true"]},
+    {"name": "tp2dp2_zero0", "overrides": ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2",
+                                           "train.grad_accum=2"]},
+    {"name": "tp2dp2_zero2_ac", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=4",
+                                              "train.ac=every"]},
+    {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
+                                               "train.grad_accum=2"]},
+    {"name": "pp2tp2", "overrides": PP + ["parallel.tp=2"]},
+    *[{"name": f"pp2dp2_zero{z}", "overrides": PP + [f"parallel.zero_stage={z}", "train.micro_batch_size=1"]}
+      for z in (0, 3)],
+    {"name": "pp4_gpipe", "overrides": PP + FOUR_LAYERS + ["parallel.pp=4", "parallel.pp_schedule=gpipe"]},
+    {"name": "pp2v2dp2_interleaved_zero1_ac", "overrides": PP + FOUR_LAYERS + [
+        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "parallel.zero_stage=1",
+        "train.micro_batch_size=1", "train.ac=full"]},
+    {"name": "pp2v2dp2_zbv_zero2", "overrides": PP + FOUR_LAYERS + [
+        "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "parallel.zero_stage=2",
+        "train.micro_batch_size=1"]},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("train")
+    # both spawns run while this process computes the references (6 processes on 2 cores, ~1 min)
+    running = {2: spawn_train_worker(2, TWO, out)}
+    run_case([], out / "ref.pt")
+    run_case(["train.micro_batch_size=2", "train.grad_accum=4"], out / "accum4.pt")
+    run_case(["train.ac=full"], out / "ac_full.pt")
+    run_case(FOUR_LAYERS, out / "ref4.pt")
+    run_case(["model.tie_embeddings=true"], out / "ref_tied.pt")
+    logs = [p.communicate(timeout=600)[0] for p in running[2]]
+    running[4] = spawn_train_worker(4, FOUR, out)
+    logs += [p.communicate(timeout=600)[0] for p in running[4]]
+    errors = {}
+    for f in out.glob("errors-rank*.json"):
+        errors.update(json.loads(f.read_text()))
+    assert not errors, f"{errors}\n" + "\n".join(log[-3000:] for log in logs)
+    return {f.stem: torch.load(f) for f in out.glob("*.pt")}
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3",
+                                  "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4",
+                                  "ac_full"])
+def test_layout_matches_single_process(results, case) -> None:
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+def test_tied_embeddings_stay_one_matrix(results) -> None:
+    """model.tie_embeddings: the output projection is the embedding, in one process and under tp2 x dp2 ZeRO-3
+    (materialising on the device once gave each its own copy, trained apart)."""
+    for name in ("ref_tied", "tp2dp2_zero3_tied"):
+        w = results[name]["weights"]
+        assert torch.equal(w["output.weight"], w["tok_embeddings.weight"]), name
+    compare_runs(results["tp2dp2_zero3_tied"], results["ref_tied"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results["ref_tied"]["losses"][-1] != results["ref"]["losses"][-1]  # tying changed what was trained
+
+
+@pytest.mark.parametrize("case", ["pp2_gpipe", "pp2_1f1b", "pp2tp2", "pp2dp2_zero0", "pp2dp2_zero3"])
+def test_pipeline_matches_single_process(results, case) -> None:
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+@pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe", "pp2v2dp2_interleaved_zero1_ac",
+                                  "pp2v2dp2_zbv_zero2"])
+def test_pipeline_four_stages_match_single_process(results, case) -> None:
+    compare_runs(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+def test_pipeline_zero3_gathers_parameters_once_per_step(results) -> None:
+    """Under pp, ZeRO-3's FSDP modules do not reshard after forward (parallel.data.reshard_after_forward): each gathers
+    its parameters once in a step of 4 micro-batches. Plain dp ZeRO-3 still reshards its blocks after forward and
+    gathers them again for backward."""
+    pp = results["pp2dp2_zero3"]
+    assert pp["fsdp"] and not any(pp["fsdp"].values()), pp["fsdp"]
+    assert pp["gathers"] == len(pp["fsdp"])
+    dp = results["dp2_zero3"]
+    blocks = {k: v for k, v in dp["fsdp"].items() if k.startswith("layers.")}
+    assert blocks and all(blocks.values()), dp["fsdp"]
+    assert dp["gathers"] >= len(dp["fsdp"]) + len(blocks)
+
+
+def test_reference_learns(results) -> None:
+    losses = results["ref"]["losses"]
+    assert losses[-1] < losses[0] - 0.1  # a test that compares equal nothings would pass; this one would not
+
+
+@pytest.mark.parametrize("case", ["dp2_zero3_bf16", "pp2_bf16"])
+def test_bf16_within_looser_tolerance(results, case) -> None:
+    compare_runs(results[case], results["ref"], BF16_LOSS_TOL, None, BF16_NORM_RTOL)
+    assert results[case]["losses"] != results["ref"]["losses"]  # it really ran in bf16
+
+
+def test_fp16_skips_the_poisoned_step(results) -> None:
+    r = results["dp2_fp16_inf"]
+    assert r["skipped"] == [False, False, True, False, False, False, False, False]
+    assert r["scales"][2] == r["scales"][1] / 2  # the scale halves on overflow
+    assert all(torch.isfinite(w).all() for w in r["weights"].values())
+    # before the poisoned step it is the reference run in fp16; afterwards it has lost one update but learns on
+    assert max(abs(a - b) for a, b in zip(r["losses"][:3], results["ref"]["losses"][:3])) <= BF16_LOSS_TOL
+    assert r["losses"][-1] < r["losses"][3] - 0.05
+    # the norm too: the reference's in fp16 before the poisoned step, inf on it (never reaching the weights)
+    assert max(norm_errors(r["grad_norms"][:2], results["ref"]["grad_norms"][:2])) <= BF16_NORM_RTOL
+    assert r["grad_norms"][2] == float("inf") and all(math.isfinite(n) for n in r["grad_norms"][3:])

@@ -1,0 +1,104 @@
+"""A CPU's figures come from a calibration of the user's machine, never from source (issue 27): `hpctrain plan
+--calibrate` writes a profile file, `plan --profile FILE` and job.hw_profile read it back (untrusted JSON), and the
+time model takes its efficiency and host terms from it. The measurement itself is replaced by synthetic rounds
+made with known figures, so these tests judge no timing: they check the wiring and that the solver recovers the
+figures the rounds were made with.
+
+    PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/planner/test_planner_calibration.py
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from helpers.launch import REPO
+from hpctrain.cli.main import main as cli
+from hpctrain.config import load_config
+from hpctrain.planner import hardware
+from hpctrain.train import calibrate
+
+TINY_CPU = str(REPO / "slurm" / "examples" / "tiny-cpu.toml")
+TRUE = {"efficiency": 0.7, "block": 0.002, "step": 0.01}
+
+
+def synthetic(overrides, run_root, rounds=calibrate.ROUNDS, steps=calibrate.STEPS):
+    """Rounds whose step times are the planner's own for TRUE's figures, at a GEMM rate of 50 GFLOP/s."""
+    rnd = {"gemm_tflops": 0.05}
+    est = calibrate.predict(overrides, rnd, TRUE["efficiency"], TRUE["block"], TRUE["step"])
+    return [rnd | {"step_s": est.step_time_s} for _ in range(rounds)]
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "measure", synthetic)
+    path = tmp_path / "cpu.json"
+    out = CliRunner().invoke(cli, ["plan", TINY_CPU, "--calibrate", "-o", str(path)])
+    assert out.exit_code == 0, out.output
+    return path
+
+
+def test_calibration_round_trip(calibrated) -> None:
+    hw = hardware.load_profile(calibrated)
+    assert hw.measured and hw.name == "cpu" and hw.peak("fp32") == pytest.approx(0.05)
+    assert hw.efficiency == pytest.approx(TRUE["efficiency"], rel=1e-3)
+    assert hw.host_block_s == pytest.approx(TRUE["block"], rel=1e-3)
+    assert hw.host_step_s == pytest.approx(TRUE["step"], rel=1e-3)
+    assert hw.host_tp_block_s is None and hw.intra_node_gbps is None  # not measured: unknown, not guessed
+    assert "hpctrain plan --calibrate" in hw.source
+
+
+def test_plan_reads_the_profile_by_option_and_by_config(calibrated) -> None:
+    one = ["--set", "parallel.tp=1", "--set", "job.nodes=1", "--set", "job.tasks_per_node=1", "--json"]
+    by_option = CliRunner().invoke(cli, ["plan", TINY_CPU, "--profile", str(calibrated), *one])
+    by_config = CliRunner().invoke(cli, ["plan", TINY_CPU, "--set", f"job.hw_profile={calibrated}", *one])
+    assert by_option.exit_code == 0 and by_config.exit_code == 0, by_option.output + by_config.output
+    a, b = json.loads(by_option.output), json.loads(by_config.output)
+    assert a == b and a["gpu"] == "cpu"
+    hw = hardware.load_profile(calibrated)
+    assert a["time_basis"]["efficiency"] == hw.efficiency  # the time model's inputs are the profile's
+    m, blocks = a["time_basis"]["microbatches"], a["time_basis"]["blocks_on_busiest_stage"]
+    assert a["time_terms"]["host_s"] == pytest.approx(hw.host_step_s + hw.host_block_s * blocks * m)
+
+
+def test_unknown_figures_are_refused_not_guessed(calibrated, tmp_path) -> None:
+    cfg = load_config(TINY_CPU, [])
+    out = CliRunner().invoke(cli, ["plan", TINY_CPU, "--profile", str(calibrated)])  # tp = 2
+    assert out.exit_code == 2 and "host_tp_block_s" in out.output, out.output
+    dp4 = ["--set", "parallel.tp=1", "--profile", str(calibrated)]  # dp = 4: links needed
+    out = CliRunner().invoke(cli, ["plan", TINY_CPU, *dp4])
+    assert out.exit_code == 2 and "link bandwidths are unknown" in out.output, out.output
+    given = CliRunner().invoke(cli, ["plan", TINY_CPU, *dp4, "--hw", "intra_node_gbps=1", "--hw",
+                                     "inter_node_gbps=1"])
+    assert given.exit_code == 0, given.output
+    assert cfg.job.gpus_per_node == 0
+    out = CliRunner().invoke(cli, ["plan", TINY_CPU])  # a CPU job without a calibration
+    assert out.exit_code == 2 and "a CPU has no datasheet figures" in out.output, out.output
+
+
+def test_submission_of_a_cpu_job_without_calibration_says_so() -> None:
+    from hpctrain.job.launch import predict_fit
+    from hpctrain.parallel import mesh
+    from hpctrain.parallel.plan import make_plan
+    cfg = load_config(TINY_CPU, [])
+    plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node), training=True)
+    said = []
+    assert predict_fit(cfg, plan, echo=said.append) is None
+    assert "a CPU has no datasheet figures" in said[0]
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda d: d | {"format": "other"}, "format 'other' is not"),
+    (lambda d: d | {"efficiency": 1.5}, "efficiency=1.5 must be in (0, 1]"),
+    (lambda d: d | {"host_step_s": "fast"}, "host_step_s='fast'"),
+    (lambda d: d | {"gpus_per_node": -2}, "gpus_per_node=-2"),
+    (lambda d: d | {"extra": 1}, "unknown key(s) ['extra']"),
+    (lambda d: {k: v for k, v in d.items() if k != "peak_tflops"}, "missing key(s) ['peak_tflops']"),
+])
+def test_bad_profile_files_name_the_key(calibrated, edit, fragment) -> None:
+    data = json.loads(calibrated.read_text())
+    calibrated.write_text(json.dumps(edit(data)))
+    with pytest.raises(ValueError, match=str(calibrated)) as e:
+        hardware.load_profile(calibrated)
+    assert fragment in str(e.value)

@@ -1,0 +1,112 @@
+"""`hpctrain plan` as far as it goes (issue 15): the Young/Daly interval and the preemption-warning check, the
+model-state verdict on the 70B example, and the command's text and JSON output and its errors. Checkpoint size
+against a checkpoint the trainer really writes: tests/multiproc/planner/test_planner_checkpoint_size.py; the layout
+search:
+tests/multiproc/planner/test_planner_search.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from helpers.launch import REPO
+from hpctrain.cli.main import main as cli
+from hpctrain.config import load_config
+from hpctrain.planner.ckpt_cost import checkpoint_cost
+from hpctrain.planner.hardware import profile
+from hpctrain.planner.report import evaluate
+
+LLAMA = REPO / "slurm" / "examples" / "llama-70b.toml"
+
+
+
+
+def test_young_daly_and_the_warning() -> None:
+    c = checkpoint_cost(100e9, storage_gbps=10, nodes=100, node_mtbf_h=5000, signal_delay_s=5)
+    assert c["save_s"] == pytest.approx(10) and c["job_mtbf_h"] == pytest.approx(50)
+    assert c["young_daly_interval_s"] == pytest.approx(math.sqrt(2 * 10 * 50 * 3600))
+    assert c["fits_warning"] is False
+    assert checkpoint_cost(100e9, 10, 100, 5000, signal_delay_s=20)["fits_warning"] is True
+    assert checkpoint_cost(100e9, 10, 100, 5000)["fits_warning"] is None
+    with pytest.raises(ValueError, match="storage_gbps = 0"):
+        checkpoint_cost(1, 0, 1)
+
+
+def test_70b_fits_with_zero3_and_not_without() -> None:
+    cfg = load_config(LLAMA, [])
+    ok = evaluate(cfg, profile("h100-sxm"), 5.0)
+    assert ok["fits"] and ok["layout"] == {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3}
+    # 70.55e9 parameters / tp 8: ZeRO-3 shards 16 bytes each over dp 16
+    assert sum(ok["model_states_gb"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
+        70.554e9 / 8 * 16 / 16 / 1e9, rel=0.01)
+    # memory per GPU: the step's peak (planner.peak) plus the margin; the peak holds the states and activations
+    assert ok["memory_gb_per_gpu"] == pytest.approx(ok["peak_gb"] * 1.1)
+    assert ok["peak_gb"] > ok["model_states_gb"]["total"] + ok["activations_gb"] and ok["peak_phase"] == "backward"
+    assert ok["step_time_s"] > 0 and 0 < ok["mfu"] <= ok["hfu"] < 1
+    bad = evaluate(load_config(LLAMA, ["parallel.zero_stage=0"]), profile("a100-40g"), 5.0)
+    assert not bad["fits"] and any("does not fit:" in n and "activations" in n for n in bad["notes"])
+
+
+def test_save_longer_than_the_warning_is_named() -> None:
+    out = evaluate(load_config(LLAMA, ["job.signal_delay_s=60"]), profile("h100-sxm"), 1.0)
+    assert any("longer than job.signal_delay_s = 60" in n for n in out["notes"]), out["notes"]
+
+
+def test_plan_command(tmp_path) -> None:
+    runner = CliRunner()
+    text = runner.invoke(cli, ["plan", str(LLAMA)])
+    assert text.exit_code == 0 and "-> fits" in text.output and "Young/Daly" in text.output, text.output
+    out = runner.invoke(cli, ["plan", str(LLAMA), "--json", "--gpu", "h200", "--set", "parallel.tp=4", "--set",
+                              "parallel.dp=32"])
+    got = json.loads(out.output)
+    assert got["gpu"] == "h200" and got["layout"]["tp"] == 4 and set(got) >= {
+        "memory_gb_per_gpu", "step_time_s", "tokens_per_s", "checkpoint", "fits", "notes"}
+    for args, fragment in ((["--gpu", "x100"], "unknown hardware profile 'x100'"),
+                           (["--set", "parallel.tp=3"], "tp"), (["--storage-gbps", "-1"], "storage_gbps = -1")):
+        r = runner.invoke(cli, ["plan", str(LLAMA), *args])
+        assert r.exit_code == 2 and fragment in r.output, (args, r.output)
+    assert Path(LLAMA).is_file()
+
+
+def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
+    assert ok.exit_code == 0 and "planner: memory per GPU: 63.33 GB of 80 GB (parameters 2.21" in ok.output, ok.output
+    args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
+    bad = runner.invoke(cli, args)
+    assert bad.exit_code == 2 and "does not fit on a100-40g: 202.1 GB per GPU predicted of 40 GB (parameters 35.3" \
+        in bad.output and "#SBATCH" not in bad.output, bad.output
+    forced = runner.invoke(cli, args + ["--no-memory-check"])
+    assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
+    named = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run"])  # the example names its GPU
+    assert named.exit_code == 0 and "planner: memory per GPU: 63.33 GB of 80 GB" in named.output, named.output
+    unnamed = runner.invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "gpu-4x8.toml"), "--dry-run"])
+    assert unnamed.exit_code == 0 and "set job.gpu" in unnamed.output
+    wrong = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100"])
+    assert wrong.exit_code == 2 and "job.gpu = 'h100': unknown hardware profile 'h100'" in wrong.output
+
+
+def test_micro_batches_in_flight() -> None:
+    """The counts tests/multiproc/planner/test_planner_memory.py measures, per pipeline rank."""
+    from hpctrain.planner.peak import in_flight
+    assert in_flight("1f1b", 1, 1, 8) == 1  # no pipeline: one micro-batch's forward, then its backward
+    assert in_flight("gpipe", 4, 1, 8, pp_rank=3) == 8  # every forward before the first backward, on every rank
+    assert [in_flight("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]  # warm-up depth pp - r
+    assert in_flight("1f1b", 4, 1, 2) == 2  # at most m
+    # interleaved: (v - 1) x m / rounds + 2 (pp - 1 - r) warm-up chunks + 1, each 1/v of the rank's blocks
+    assert in_flight("interleaved_1f1b", 4, 2, 8) == 5.5 and in_flight("interleaved_1f1b", 2, 2, 4, 1) == 1.5
+
+
+
+
+def test_unmeasured_schedule_is_named_as_a_lower_bound() -> None:
+    gpu = REPO / "slurm" / "examples" / "gpu-4x8.toml"
+    for schedule, virtual, said in (("zbv", 2, True), ("interleaved_1f1b", 2, False), ("1f1b", 1, False)):
+        cfg = load_config(gpu, [f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={virtual}",
+                                "parallel.zero_stage=2"])
+        notes = evaluate(cfg, profile("h100-sxm"), 5.0)["notes"]
+        assert any(f"parallel.pp_schedule = {schedule!r}" in n and "lower bound" in n for n in notes) == said
