@@ -3,7 +3,8 @@ project's own text) and a random transformers Llama of its vocabulary in an HF d
 --tokenizer` makes the training data and its validation split; a run with train.init_from = "hf:DIR" fine-tunes
 with validation loss, records the tokenizer in its checkpoints (which still verify), and `hpctrain ckpt export
 --format hf` hands back a directory whose model transformers loads with the trained logits and whose tokenizer
-is the one the data was made with. Data made with another tokenizer is refused at submission.
+is the one the data was made with. Data made with another tokenizer is refused at submission. A run resumed from
+its own checkpoint does not read init_from again.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/hf/test_hf_finetune.py
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 import math
 import shutil
 
+import torch
 from click.testing import CliRunner
-from hfcheck import LOGIT_TOL, logit_diff, make_hf_llama, project_paragraphs, train_bpe
+from hfcheck import LOGIT_TOL, logit_diff, make_hf_llama, ours_as_hf, project_paragraphs, train_bpe
 
 from helpers.refusals import refused
 from helpers.training import full_weights
@@ -21,6 +23,7 @@ from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.data import tokenize as tokenized
 from hpctrain.job import launch, session
+from hpctrain.train import resume
 from hpctrain.train.trainer import Trainer
 
 
@@ -71,3 +74,21 @@ def test_fine_tune_an_hf_model_on_own_data_and_export(tmp_path) -> None:
     tokenized.build_tokenized([corpus], tmp_path / "data2" / "train.bin", other, workers=1)
     cfg2 = load_config(None, sets + [f"data.path={tmp_path / 'data2' / 'train.bin'}", "train.eval_every=0"])
     refused(launch.check_layout, cfg2, fragments=["train.init_from's tokenizer.json"])
+
+
+def test_resume_does_not_read_init_from(tmp_path) -> None:
+    hf = tmp_path / "hf"
+    theirs = make_hf_llama(hf)
+    cfg = load_config(None, ["model.max_seq_len=64", "data.source=synthetic", "data.seq_len=16", "train.steps=2",
+                             "train.lr=1e-3", "train.warmup_steps=1", "train.log_every=100", "train.peak_tflops=1",
+                             "train.micro_batch_size=2", f"train.init_from=hf:{hf}",
+                             f"job.run_root={tmp_path / 'runs'}", f"checkpoint.dir={tmp_path / 'ck'}"])
+    with session.start(cfg) as s:
+        Trainer(cfg, s).fit()  # 2 steps from the HF weights, saved at the end
+    with session.start(cfg) as s:
+        trainer = Trainer(cfg, s)
+        with resume.checkpointer(trainer) as ckpt:
+            assert resume.start(trainer, ckpt) == 2
+        after = ours_as_hf(full_weights(trainer.pm.model), 100)
+    assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"],
+                           theirs["model.layers.0.self_attn.q_proj.weight"])

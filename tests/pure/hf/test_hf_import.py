@@ -1,9 +1,10 @@
 """train.init_from = "hf:DIR", one process: [model] filled in from config.json and refused where it disagrees;
 a random transformers LlamaForCausalLM (GQA, untied, vocabulary 100 padded to 128, rope theta 5000) imported
 through the product's Trainer holds exactly the HF weights (padding rows zero) and gives transformers' logits
-within 1e-4 in fp32, from one file or a sharded directory with an index; a resumed run does not read init_from;
+within 1e-4 in fp32, from one file or a sharded directory with an index;
 damaged directories are refused naming the tensor or file. The tp, pp and ZeRO-3 imports are
-tests/multiproc/hf/test_hf_import_layouts.py's.
+tests/multiproc/hf/test_hf_import_layouts.py's; that a resumed run does not read init_from (it trains)
+tests/multiproc/hf/test_hf_finetune.py's.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/pure/hf/test_hf_import.py
 """
@@ -118,20 +119,6 @@ def test_tied_directory(tmp_path) -> None:
                                                theirs["model.embed_tokens.weight"])
     ids = tokens(100, 16)
     assert (hpctrain_logits(weights, dims, ids) - hf_logits(tmp_path / "tied", ids)).abs().max() < LOGIT_TOL
-
-
-def test_resume_does_not_read_init_from(hf_dirs, tmp_path) -> None:
-    hf, theirs = hf_dirs["single"]
-    cfg = _cfg(tmp_path, hf)
-    with session.start(cfg) as s:
-        Trainer(cfg, s).fit()  # 2 steps from the HF weights, saved at the end
-    with session.start(cfg) as s:
-        trainer = Trainer(cfg, s)
-        with resume.checkpointer(trainer) as ckpt:
-            assert resume.start(trainer, ckpt) == 2
-        after = ours_as_hf(full_weights(trainer.pm.model), 100)
-    assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"],
-                           theirs["model.layers.0.self_attn.q_proj.weight"])
 
 
 def _copy(src: Path, dst: Path) -> Path:
