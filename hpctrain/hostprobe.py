@@ -202,11 +202,16 @@ def storage(directory: Path, nbytes: int, name: str, writers: int = 1) -> dict[s
     path = directory / f".hpctrain-doctor-{name}-{os.getpid()}-{secrets.token_hex(4)}"
     block = memoryview(os.urandom(min(BLOCK, nbytes)))  # incompressible: a compressing file system must not flatter it
     buf = bytearray(len(block))
+    # until open says it made nothing, the name may be ours: a signal's handler can raise (preempt.Ended) as
+    # open returns, before this frame holds the descriptor; the finally below removes the name then too (it is
+    # unguessable, so it names no one else's file)
+    fd, ours = -1, True
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        return {"dir": str(directory), "error": f"cannot create {path}: {e.strerror or e}"}
-    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            ours = False
+            return {"dir": str(directory), "error": f"cannot create {path}: {e.strerror or e}"}
         os.unlink(path)
         t0 = time.perf_counter()
         done = 0
@@ -223,9 +228,11 @@ def storage(directory: Path, nbytes: int, name: str, writers: int = 1) -> dict[s
     except OSError as e:
         return {"dir": str(directory), "error": f"cannot write and read back {path}: {e.strerror or e}"}
     finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):  # a file system that refused to unlink an open file may take it now
-            path.unlink(missing_ok=True)
+        if fd >= 0:
+            os.close(fd)
+        if ours:
+            with contextlib.suppress(OSError):  # a file system that refused to unlink an open file may take it now
+                path.unlink(missing_ok=True)
     out = {"dir": str(directory), "write_gbps": write, "read_gbps": read, "bytes": nbytes, "free_gb": free / 1e9,
            "fs": fs, "striping": striping(directory, fs)}
     return out | ({"asked": asked, "shrunk": shrunk} if shrunk else {})

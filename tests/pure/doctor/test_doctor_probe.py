@@ -98,6 +98,31 @@ def test_storage_probe_file_is_gone_whatever_happens(tmp_path, monkeypatch):
     assert "Operation not permitted" in out["error"] and os.listdir(tmp_path) == []
 
 
+def test_a_signal_as_the_probe_file_opens_leaves_no_file(tmp_path, monkeypatch):
+    """A signal's handler raises (preempt.Ended) at the first bytecode after open returns, before the descriptor is
+    stored and the name unlinked: seen once in a full run, SIGTERM to `hpctrain doctor` left its probe file."""
+    class Signalled(BaseException):
+        pass
+    real_open, opened = os.open, []
+
+    def open_then_signal(*args, **kwargs):
+        opened.append(real_open(*args, **kwargs))  # made; the probe's frame never sees the descriptor
+        raise Signalled
+    monkeypatch.setattr(hostprobe.os, "open", open_then_signal)
+    with pytest.raises(Signalled):
+        hostprobe.storage(tmp_path, 8 * MiB, "n1")
+    os.close(opened.pop())
+    assert os.listdir(tmp_path) == []
+
+    def refused(*args, **kwargs):
+        raise FileExistsError(17, "File exists")  # O_EXCL: the name was someone else's, which is left alone
+    planted = []
+    monkeypatch.setattr(hostprobe.os, "open", refused)
+    monkeypatch.setattr(hostprobe.Path, "unlink", lambda self, missing_ok=False: planted.append(self))
+    out = hostprobe.storage(tmp_path, 8 * MiB, "n1")
+    assert "File exists" in out["error"] and planted == []
+
+
 def test_storage_mb_cap():
     refused(doctor.Options, storage_mb=hostprobe.MAX_STORAGE_MB + 1,
             fragments=[f"storage_mb = {hostprobe.MAX_STORAGE_MB + 1}", f"between 1 and {hostprobe.MAX_STORAGE_MB}"])
