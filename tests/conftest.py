@@ -8,9 +8,12 @@ unreachable local cluster fails the tests instead of skipping them.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,46 @@ def slurm_cluster() -> None:
         if required("HPCTRAIN_REQUIRE_SLURM"):
             pytest.fail(f"HPCTRAIN_REQUIRE_SLURM is set but {why}; run `make slurm-up`")
         pytest.skip(why)
+
+
+# --- two tests at once (`make test` runs pytest -n 2, pytest-xdist) ---------------------------------------------------
+# A serial run left this host idle half of its time: tests wait on Slurm's scheduler, a requeue's hold, a hang limit,
+# a launcher. Under xdist:
+# - the cluster tier is one unit of work, run in order by one worker (three Slurm nodes; those tests wait for an idle
+#   queue), handed out first since it is the longest; every other module is a unit, so its shared fixture runs once;
+# - a test marked `alone` judges speeds measured on this host (the doctor's verdicts, stragglers): it waits until the
+#   other worker's test has ended, and no test starts beside it. Every test takes a lock on the run's lock file,
+#   shared or (alone) exclusive, after passing a gate that an alone test holds while it waits, so it is never starved.
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/cluster" if nodeid.startswith("tests/cluster/") else nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # collection order: tests/cluster/ comes first
+    return TierScheduling(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each worker of one xdist run
+    if not run:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"hpctrain-tests-{run}"
+    alone = item.get_closest_marker("alone") is not None
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.room", "a") as room:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield  # setup (module fixtures included), call, teardown; closing the files releases both locks
+
+
+def pytest_sessionfinish(session) -> None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run:  # a worker that is done: the other, if still running, is alone anyway
+        for suffix in (".gate", ".room"):
+            (Path(tempfile.gettempdir()) / f"hpctrain-tests-{run}{suffix}").unlink(missing_ok=True)

@@ -19,10 +19,9 @@ is untouched:
                                          Points: rendezvous (identity known, before torch.distributed), ready
                                          (mesh checked, before the payload), forward (the heartbeat entering a
                                          training step's forward, every step) or forward<N> (step N's only).
-    SEAM_DOCTOR_SLOW=<node>[:factor]     that node's doctor GEMM and storage measure `factor` (default 10) times
-                                         slower for real: each measured span is followed by (factor - 1) times
-                                         its length asleep (asleep: other nodes sharing the host's cores are not
-                                         slowed).
+    SEAM_DOCTOR_SLOW=<node>[:factor]     that node's doctor GEMM and storage probes report `factor` (default 10)
+                                         times their measured time (rates divided by it). Nothing sleeps: the
+                                         verdicts read only the rates, and a sleep would leave the host idle.
 
 Standard library only at module level (sitecustomize imports this in every process started with the plugin).
 """
@@ -161,7 +160,7 @@ def slow_factor(spec: str, node: str) -> float:
 
 def _slowed_measure(spec: str):
     """Wraps doctor.measure.measure: on the named node, its GEMM probe (bench.gemm.measure_gemm) and storage probe
-    (hostprobe.storage) take `factor` times as long, for the length of that call."""
+    (hostprobe.storage) report `factor` times their measured time, for the length of that call."""
     def make(orig):
         def measure(s, *args, **kwargs):
             factor = slow_factor(spec, s.ident.node_name)
@@ -175,7 +174,6 @@ def _slowed_measure(spec: str):
             def slow_gemm(orig_gemm):
                 def measure_gemm(*a, **kw):
                     r = orig_gemm(*a, **kw)
-                    time.sleep(r["time_s"] * (factor - 1))
                     return r | {"time_s": r["time_s"] * factor, "tflops": r["tflops"] / factor}
                 return measure_gemm
 
@@ -184,7 +182,6 @@ def _slowed_measure(spec: str):
                     r = orig_storage(*a, **kw)
                     if "error" in r:
                         return r
-                    time.sleep(r["bytes"] * (1 / r["write_gbps"] + 1 / r["read_gbps"]) / 1e9 * (factor - 1))
                     return r | {"write_gbps": r["write_gbps"] / factor, "read_gbps": r["read_gbps"] / factor}
                 return storage
 

@@ -3,7 +3,7 @@
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/doctor/test_doctor_system.py
 
 mpiexec (two named nodes of 2 ranks) and Slurm (`hpctrain doctor CONFIG`: submitted, waited for, the table
-printed): a healthy run exits 0, a node slowed 10x by the test seam (SEAM_DOCTOR_SLOW and tests/plugins on
+printed): a healthy run exits 0, a node measuring 10x slower by the test seam (SEAM_DOCTOR_SLOW and tests/plugins on
 PYTHONPATH, passed to the tasks through sbatch's environment; tests/plugins/seams.py) exits 1 with its --exclude=
 line. A training job with job.preflight = true and a
 slowed node is requeued without it (the local cluster has 3 nodes) and trains on the two others.
@@ -20,6 +20,8 @@ from faults import record
 
 from helpers.launch import EXAMPLE, PLUGINS, hpctrain, required, run_mpiexec, seam_env
 from helpers.runs import only_run_dir
+
+pytestmark = pytest.mark.alone  # the doctor judges speeds measured on this shared host
 
 
 def _doctor(root, *extra: str) -> list[str]:
@@ -47,8 +49,8 @@ def test_doctor_under_mpiexec_flags_the_slowed_node(mpiexec, tmp_path) -> None:
         assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
         assert "FAILED nodes: b" in out.stdout and "exclude them: --exclude=b" in out.stdout
         assert report["failed_nodes"] == ["b"]
-        record("a node slowed 10x (SEAM_DOCTOR_SLOW) under mpiexec, 2 named nodes x 2 ranks", "hpctrain doctor "
-               "--here exits 1 naming it, with --exclude=b", seconds, "mpi")
+        record("a node measuring 10x slower (SEAM_DOCTOR_SLOW) under mpiexec, 2 named nodes x 2 ranks",
+               "hpctrain doctor --here exits 1 naming it, with --exclude=b", seconds, "mpi")
 
 
 def _when_idle(timeout_s: float = 300) -> None:
@@ -78,7 +80,7 @@ def test_doctor_submitted_to_slurm(slurm_cluster, tmp_path, monkeypatch) -> None
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)  # --json: only the report on stdout, the job's progress on stderr
     assert report["failed_nodes"] == ["n2"] and report["exclude"] == "--exclude=n2"
-    record("a node slowed 10x (SEAM_DOCTOR_SLOW) in a 2-node Slurm job", "hpctrain doctor exits 1 with "
+    record("a node measuring 10x slower (SEAM_DOCTOR_SLOW) in a 2-node Slurm job", "hpctrain doctor exits 1 with "
            "--exclude=n2 (JSON with --json)", time.monotonic() - t0, "slurm")
 
 
@@ -106,6 +108,6 @@ def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, mon
     assert summary["doctor"]["ok"] and summary["train"]["steps"] == 20
     assert {r["node"] for r in summary["rank_map"]} == {"n2", "n3"}
     assert "preflight | FAILED nodes: n1" in out.stdout and "preflight | PASSED" in out.stdout
-    record("job.preflight with a node slowed 10x, 2-node Slurm job on a 3-node cluster", "requeued without it "
-           "(ExcNodeList=n1), runs again on n2, n3 and trains; requeues.jsonl says what was excluded and why",
-           seconds, "slurm")
+    record("job.preflight with a node measuring 10x slower, 2-node Slurm job on a 3-node cluster",
+           "requeued without it (ExcNodeList=n1), runs again on n2, n3 and trains; requeues.jsonl says what was "
+           "excluded and why", seconds, "slurm")

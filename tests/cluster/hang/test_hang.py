@@ -85,6 +85,7 @@ def test_hung_rank_slurm_requeued_without_its_node(slurm_cluster, tmp_path) -> N
 
 
 @pytest.mark.slurm
+@pytest.mark.alone  # judges compute times measured on this shared host
 def test_straggler_named_with_its_node_slurm(slurm_cluster, tmp_path) -> None:
     """Rank 3 (on n2) sleeps 0.3 s in every step; dp=4 across 2 nodes: the report names rank 3 and n2."""
 

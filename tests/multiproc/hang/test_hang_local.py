@@ -47,6 +47,7 @@ def test_stopped_rank_local_processes(tmp_path, step) -> None:
                "diagnose names rank 1", gone, "multiproc")
 
 
+@pytest.mark.alone  # judges compute times measured on this shared host
 def test_slow_rank_is_named_a_straggler(tmp_path) -> None:
     """Rank 2 sleeps 0.3 s in every step's forward: it computes longest and its dp peers wait for it (dp=4; with
     tp=2 its tp peer would wait inside the forward and be named beside it, on the same host)."""
