@@ -31,6 +31,7 @@ from hpctrain.parallel import data, pipeline, recompute, tensor
 from hpctrain.parallel.materialize import materialize
 from hpctrain.parallel.mesh import Layout
 from hpctrain.parallel.plan import Plan, with_training
+from hpctrain.parallel.stages import StagePlan
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ParallelModel:
     autocast_dtype: torch.dtype | None  # autocast for layouts without FSDP's mixed precision
     zero_stage: int
     parts: list[nn.Module] = field(default_factory=list)  # stage modules this rank runs (pp > 1)
-    plan: pipeline.StagePlan | None = None
+    plan: StagePlan | None = None
     # fills the weights from the seeded init; None once filled, or when a checkpoint has filled them
     unfilled: Callable[[], None] | None = None
     device_type: str = "cpu"  # where the weights live: autocast's device type

@@ -7,7 +7,7 @@ the ranks are:
 
 Pure: checks and arithmetic, no process group. The layout and topology check always; the model dimensions, the
 pipeline's stages and the batch plan when the job trains (train.steps > 0, or training=True; `with_training` adds
-them to a plan made without), imported only then (they import torch).
+them to a plan made without), imported only then.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hpctrain.parallel import mesh
 if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.model.dims import ModelDims
-    from hpctrain.parallel.pipeline import StagePlan
+    from hpctrain.parallel.stages import StagePlan
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,13 @@ def make_plan(cfg: Config, node_of_rank: Sequence[int], training: bool | None = 
 def with_training(plan: Plan, cfg: Config) -> Plan:
     """plan (its layout checked) with the model dimensions, pipeline stages and batch plan of cfg on it."""
     from hpctrain.model.dims import ModelDims
-    from hpctrain.parallel import pipeline
+    from hpctrain.parallel import stages as pipeline_stages
 
     tp, dp = plan.layout.tp, plan.layout.dp
     stages = _check_supported(cfg, tp, dp)
     dims = ModelDims.from_config(cfg.model, tp)
     micro, global_batch = _batch_plan(cfg, dp)
-    notes = [pipeline.describe(stages, cfg.train.grad_accum)] if stages else []
+    notes = [pipeline_stages.describe(stages, cfg.train.grad_accum)] if stages else []
     if stages and cfg.parallel.zero_stage == 3 and dp > 1:
         notes.append(f"parallel.zero_stage = 3 with parallel.pp = {stages.pp}: each stage's parameters are gathered "
                      f"once per step, not for each of the {cfg.train.grad_accum} micro-batches, and stay whole until "
@@ -72,7 +72,7 @@ def with_training(plan: Plan, cfg: Config) -> Plan:
 
 def _check_supported(cfg: Config, tp: int, dp: int) -> StagePlan | None:
     """Refuses what does not compose; returns the pipeline's stage plan when pp > 1."""
-    from hpctrain.parallel.pipeline import StagePlan
+    from hpctrain.parallel.stages import StagePlan
 
     z, pp = cfg.parallel.zero_stage, cfg.parallel.pp
     stages = None

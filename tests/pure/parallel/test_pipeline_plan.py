@@ -7,8 +7,9 @@ import torch
 
 from hpctrain.config import load_config
 from hpctrain.model.transformer import ModelDims, Transformer
-from hpctrain.parallel.pipeline import StagePlan, balanced_layers, prune, stage_module
+from hpctrain.parallel.pipeline import prune, stage_module
 from hpctrain.parallel.plan import make_plan
+from hpctrain.parallel.stages import StagePlan, balanced_layers
 
 
 def plan(*overrides: str, n_layers: int = 8) -> StagePlan:

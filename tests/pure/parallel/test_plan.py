@@ -20,8 +20,8 @@ from hpctrain.job import session
 from hpctrain.model.transformer import ModelDims
 from hpctrain.parallel import mesh, plan
 from hpctrain.parallel.mesh import Layout, block_placement
-from hpctrain.parallel.pipeline import StagePlan, describe
 from hpctrain.parallel.plan import make_plan, with_training
+from hpctrain.parallel.stages import StagePlan, describe
 from hpctrain.train.trainer import Trainer
 
 PP = ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
