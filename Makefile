@@ -7,9 +7,9 @@ CONFIG ?= slurm/examples/tiny-cpu.toml
 ARGS ?=
 # the tests to run: every tier by default; one tier with TESTS=tests/pure (or tests/multiproc, tests/cluster)
 TESTS ?= tests
-# two tests at once (pytest-xdist): a serial run left this host idle half its time; tests/conftest.py keeps the cluster
-# tier on one worker and lets a test marked `alone` run with nothing beside it. JOBS=0: one test at a time.
-JOBS ?= 2
+# three tests at once (pytest-xdist): a serial run left this host idle half its time; tests/conftest.py keeps the
+# Slurm tests on one worker and lets a test marked `alone` run with nothing beside it. JOBS=0: one test at a time.
+JOBS ?= 3
 # torch is pinned to the local CPU wheel only when the virtualenv has no torch at all; on a cluster, make the venv with
 # VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead: hpctrain/install_guard.py keeps a site torch
 # at or above setup.cfg's floor, refuses an older one (or none) with the fix, and never lets pip replace it.

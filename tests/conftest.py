@@ -54,24 +54,60 @@ def slurm_cluster() -> None:
         pytest.skip(why)
 
 
-# --- two tests at once (`make test` runs pytest -n 2, pytest-xdist) ---------------------------------------------------
+# --- tests at once (`make test` runs pytest -n 3, pytest-xdist) ---------------------------------------------------
 # A serial run left this host idle half of its time: tests wait on Slurm's scheduler, a requeue's hold, a hang limit,
 # a launcher. Under xdist:
-# - the cluster tier is one unit of work, run in order by one worker (three Slurm nodes; those tests wait for an idle
-#   queue), handed out first since it is the longest; every other module is a unit, so its shared fixture runs once;
+# - the tests on the local Slurm cluster are one unit of work, run in order by one worker (three nodes; those tests
+#   wait for an idle queue), handed out first since it is the longest; every other module is a unit, so its shared
+#   fixture runs once (a cluster module's tests that only use mpiexec are a unit apart from its Slurm tests);
 # - a test marked `alone` judges speeds measured on this host (the doctor's verdicts, stragglers): it waits until the
-#   other worker's test has ended, and no test starts beside it. Every test takes a lock on the run's lock file,
+#   other workers' tests have ended, and no test starts beside it. Every test takes a lock on the run's lock file,
 #   shared or (alone) exclusive, after passing a gate that an alone test holds while it waits, so it is never starved.
 
+def slurm_tests(path: Path) -> frozenset[str]:
+    """The test functions of a module that use the local Slurm cluster (the slurm_cluster fixture or the slurm
+    mark, on the function or the module), read from its source: the controller that hands out work collects
+    nothing itself."""
+    import ast
+    tree = ast.parse(path.read_text())
+    marked = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                 and "slurm" in ast.unparse(n.value) for n in tree.body)
+    out = set()
+    for n in tree.body:
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("test"):
+            args = {a.arg for a in n.args.args}
+            decos = " ".join(ast.unparse(d) for d in n.decorator_list)
+            if marked or "slurm_cluster" in args or "mark.slurm" in decos:
+                out.add(n.name)
+    return frozenset(out)
+
+
 def pytest_xdist_make_scheduler(config, log):
+    import functools
+
     from xdist.scheduler import LoadScopeScheduling
+    slurm = functools.lru_cache(maxsize=None)(lambda file: slurm_tests(Path(config.rootpath, file)))
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "tests/cluster" if nodeid.startswith("tests/cluster/") else nodeid.split("::", 1)[0]
+            file, _, rest = nodeid.partition("::")
+            if file.startswith("tests/cluster/") and rest.split("[")[0] in slurm(file):
+                return "slurm"
+            return file
 
     config.option.loadscopereorder = False  # collection order: tests/cluster/ comes first
     return TierScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The scheduler's reading of the sources (slurm_tests) must agree with the fixtures each test really uses."""
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        if file.startswith("tests/cluster/"):
+            uses = "slurm_cluster" in item.fixturenames or item.get_closest_marker("slurm") is not None
+            if uses != (item.originalname in slurm_tests(Path(config.rootpath, file))):
+                raise pytest.UsageError(f"{item.nodeid}: uses the Slurm cluster = {uses}, but slurm_tests() reads "
+                                        f"its source otherwise; take slurm_cluster as an argument or mark it slurm")
 
 
 @pytest.hookimpl(hookwrapper=True)
