@@ -25,6 +25,9 @@ for _path in (TESTS, str(Path(TESTS) / "plugins")):
 
 from helpers.launch import required, tool  # noqa: E402
 
+# fixtures more than one tier's modules use: the tokenized-data tests' tokenizer and inputs (module-scoped)
+pytest_plugins = ("helpers.tokenized",)
+
 
 @pytest.fixture(scope="session")
 def mpiexec() -> str:

@@ -11,7 +11,8 @@ import lzma
 from pathlib import Path
 
 import numpy as np
-from hfcheck import project_paragraphs
+import pytest
+from hfcheck import project_paragraphs, train_bpe
 
 EOS = "<|endoftext|>"
 
@@ -54,3 +55,17 @@ def write_text_tree(root: Path) -> Path:
     (src / "ignored.bin").write_bytes(b"not a text suffix")
     (src / "__pycache__" / "d.py").write_text("cache = True\n")
     return src
+
+
+# module-scoped fixtures of the tokenized-data tests (pure, worker and training tiers), offered to every test
+# module by tests/conftest.py (pytest_plugins)
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    """A BPE tokenizer trained on this repository's own files, with EOS."""
+    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", project_docs(), eos=EOS)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    """write_inputs' files: text, JSON lines, compressed."""
+    return write_inputs(tmp_path_factory.mktemp("inputs"))

@@ -6,29 +6,15 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
-from hfcheck import train_bpe
 
-from helpers.tokenized import EOS, project_docs, write_inputs
 from helpers.training import SMALL
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.data.tokenfiles import ArraySource
 from hpctrain.job import session
 from hpctrain.train.trainer import Trainer
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory) -> Path:
-    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", project_docs(), eos=EOS)
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> dict:
-    return write_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def test_cli_builds_and_the_dataset_trains(bpe, inputs, tmp_path) -> None:

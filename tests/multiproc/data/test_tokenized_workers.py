@@ -6,26 +6,13 @@ build in this process: tests/pure/data/test_tokenized.py).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from hfcheck import train_bpe
 
 from helpers.refusals import refused
-from helpers.tokenized import EOS, project_docs, split_docs, write_inputs
+from helpers.tokenized import EOS, split_docs
 from hpctrain.data import tokenize as tokenized
 from hpctrain.data.tokenfiles import ArraySource, HDF5Source, val_file
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory) -> Path:
-    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", project_docs(), eos=EOS)
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> dict:
-    return write_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".h5"])

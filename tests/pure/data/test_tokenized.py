@@ -22,23 +22,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from faults import record
-from hfcheck import train_bpe
 
 from helpers.refusals import refused
-from helpers.tokenized import EOS, project_docs, split_docs, write_inputs
+from helpers.tokenized import EOS, project_docs, split_docs
 from hpctrain.cli.main import main as cli
 from hpctrain.data import tokenize as tokenized
 from hpctrain.data.tokenfiles import ArraySource, HDF5Source, check_records, tokenizer_file
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory) -> Path:
-    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", project_docs(), eos=EOS)
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> dict:
-    return write_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def test_documents_round_trip_and_end_with_eos(bpe, inputs, tmp_path) -> None:
