@@ -5,9 +5,9 @@ parameters left out) and written here as tensor counts, so they scale to any siz
 
                      per block and token, as tensors of width ...              per block, independent of tokens
     mode             h (dim)            q (heads*hd) kv   heads  f (ffn)  1
-    fp32             6 fp32             2 fp32       2    1 fp32 4 fp32   2 fp32
-    autocast (bf16)  4 fp32 + 5 bf16    2 bf16       2    1 fp32 4 bf16   2 fp32   a bf16 copy of every weight
-    fsdp (bf16)      2 fp32 + 4 bf16    2 bf16       2    1 fp32 4 bf16   2 fp32
+    fp32             6 fp32             2 fp32       2    1 fp32 3 fp32   2 fp32
+    autocast (bf16)  4 fp32 + 5 bf16    2 bf16       2    1 fp32 3 bf16   2 fp32   a bf16 copy of every weight
+    fsdp (bf16)      2 fp32 + 4 bf16    2 bf16       2    1 fp32 3 bf16   2 fp32
 "autocast" is mixed precision by torch.autocast (ZeRO 0-1: fp32 weights, low-precision matmuls, one low-precision
 copy of each weight cached per forward and kept for backward); "fsdp" is FSDP2's MixedPrecisionPolicy (ZeRO 2-3:
 the weights themselves are low precision in forward). Residual stream and norm inputs ("h") stay full under tensor
@@ -28,9 +28,9 @@ from hpctrain.parallel.recompute import recomputed_blocks
 
 # bytes per token per block: (h_sharded_by_sp, h_always_full, q, kv, heads, f, one) and per-weight bytes
 MODES = {
-    "fp32": ((4 + 4 + 4 + 4, 4 + 4), 4 + 4, 4 + 4, 4, 4 + 4 + 4 + 4, 4 + 4, 0),
-    "autocast": ((4 + 4 + 4 + 4, 2 * 5), 2 + 2, 2 + 2, 4, 2 * 4, 4 + 4, 2),
-    "fsdp": ((4 + 4, 2 * 4), 2 + 2, 2 + 2, 4, 2 * 4, 4 + 4, 0),
+    "fp32": ((4 + 4 + 4 + 4, 4 + 4), 4 + 4, 4 + 4, 4, 4 + 4 + 4, 4 + 4, 0),
+    "autocast": ((4 + 4 + 4 + 4, 2 * 5), 2 + 2, 2 + 2, 4, 2 * 3, 4 + 4, 2),
+    "fsdp": ((4 + 4, 2 * 4), 2 + 2, 2 + 2, 4, 2 * 3, 4 + 4, 0),
 }
 
 # outside the blocks, bytes per token per dim: the final norm's saved tensors, the output projection's input
