@@ -1,7 +1,7 @@
 """`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks: collectives vs
 bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equation, activation checkpointing,
 checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall, pipeline bubble and
-activation memory per schedule, one 70B rank's initialisation.
+activation memory per schedule and per block, one 70B rank's initialisation.
 
     python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,ckpt_io,ckpt_async,pipeline,prefetch,init]
                                  [--ranks 4]
@@ -48,6 +48,8 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
         # a driver: launches itself under mpiexec -n 2 and -n 4
         "memory": [[sys.executable, str(HERE / "zero_memory.py"), "--run-root", run_root]],
         "ac": [[sys.executable, str(HERE / "activation_checkpointing.py"), "--run-root", run_root]],
+        # a driver: 1, 2 and 4 ranks (tensor parallel 1, 2, 4); bytes counted
+        "activations": [[sys.executable, str(HERE / "activation_memory.py"), "--run-root", run_root]],
         # drivers: 1, 2 and 4 ranks; 1 and 2 ranks
         "ckpt_io": [[sys.executable, str(HERE / "checkpoint_io.py"), "--run-root", run_root]],
         "ckpt_async": [[sys.executable, str(HERE / "async_stall.py"), "--run-root", run_root]],
