@@ -3,7 +3,8 @@ bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equ
 checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall, pipeline bubble and
 activation memory per schedule and per block, one 70B rank's initialisation.
 
-    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,activations,ckpt_io,ckpt_async,pipeline,prefetch,init]
+    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,activations,ckpt_io,ckpt_async,pipeline,
+                                        prefetch,init]
                                  [--ranks 4]
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
