@@ -33,7 +33,8 @@ from _launch import RESULTS, write_results
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from helpers import TINY, free_base_port, spawn_ranks  # noqa: E402
+from helpers.launch import free_base_port, spawn_ranks  # noqa: E402
+from helpers.training import TINY  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.parallel.plan import make_plan  # noqa: E402
 from hpctrain.planner import hardware  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/helpers' TINY config
 from _verdict import balanced  # noqa: E402
 
-from helpers import TINY  # noqa: E402
+from helpers.training import TINY  # noqa: E402
 from hpctrain.bench import harness  # noqa: E402
 from hpctrain.bench import job as benchjob
 from hpctrain.bench.gemm import measure_gemm  # noqa: E402
@@ -52,7 +52,7 @@ def main(out: str, cases_json: str, base_port: int, rounds: int) -> None:
         with session.start(cfg) as s:
             tr = Trainer(cfg, s)
             tr.train_step(sync=True)  # warm-up: first-touch allocations, the pipeline's shape inference
-            rounds = []
+            measured = []
             for r in range(rounds):
                 got: dict = {}
                 for side in balanced(r, ("probes", "steps")):
@@ -69,8 +69,8 @@ def main(out: str, cases_json: str, base_port: int, rounds: int) -> None:
                             tr.train_step(sync=True)
                         dist.barrier()
                         got["step_s"] = (time.perf_counter() - t0) / STEPS
-                rounds.append(got)
-            results[case["name"]] = {"rounds": rounds, "threads": torch.get_num_threads()}
+                measured.append(got)
+            results[case["name"]] = {"rounds": measured, "threads": torch.get_num_threads()}
     if rank == 0:
         Path(out, "times.json").write_text(json.dumps(results))
 

@@ -1,10 +1,10 @@
 """`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks: collectives vs
 bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equation, activation checkpointing,
 checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall, pipeline bubble and
-activation memory per schedule and per block, one 70B rank's initialisation.
+activation memory per schedule and per block, one 70B rank's initialisation, the planner's step time.
 
     python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,activations,ckpt_io,ckpt_async,pipeline,
-                                        prefetch,init]
+                                        prefetch,init,plan_time]
                                  [--ranks 4]
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
@@ -59,6 +59,8 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
         "prefetch": [[sys.executable, str(HERE / "loader_prefetch.py"), "--run-root", run_root]],
         # one process: rank 9 of the 70B example's 128, simulated (torch's fake process group)
         "init": [[sys.executable, str(HERE / "init_scale.py")]],
+        # calibrates this host (hpctrain plan --calibrate), then 2 ranks: the planner's step time against measured
+        "plan_time": [[sys.executable, str(HERE / "planner_cpu_time.py")]],
     }
 
 
