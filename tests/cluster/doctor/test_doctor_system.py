@@ -96,7 +96,7 @@ def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, mon
         monkeypatch.setenv(var, value)
     t0 = time.monotonic()
     out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", "--set",
-                   "job.preflight=true", "--set", "train.steps=20", "--set", "train.log_every=10", timeout=600)
+                   "job.preflight=true", "--set", "train.steps=4", "--set", "train.log_every=2", timeout=600)
     seconds = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
@@ -105,7 +105,7 @@ def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, mon
     assert history[0]["cause"] == "preflight", history
     assert "ExcNodeList=n1" in history[0]["why"]
     summary = json.loads((run_dir / "summary.json").read_text())  # the second attempt's
-    assert summary["doctor"]["ok"] and summary["train"]["steps"] == 20
+    assert summary["doctor"]["ok"] and summary["train"]["steps"] == 4
     assert {r["node"] for r in summary["rank_map"]} == {"n2", "n3"}
     assert "preflight | FAILED nodes: n1" in out.stdout and "preflight | PASSED" in out.stdout
     record("job.preflight with a node measuring 10x slower, 2-node Slurm job on a 3-node cluster",

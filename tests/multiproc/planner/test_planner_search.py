@@ -33,5 +33,10 @@ def test_search_ranks_what_fits_and_names_the_rest() -> None:
     assert any("does not divide the 8 ranks per node" in r for r in why)  # tp across nodes
     oom = next(e for r, e in why.items() if r.startswith("out of memory on h100-sxm"))
     assert oom[0] > 0 and 0 < oom[1] <= oom[2]
-    out = CliRunner().invoke(cli, ["plan", str(LLAMA), "--search", "--json"])
-    assert out.exit_code == 0 and len(json.loads(out.output)) == len(fit)
+    # the command's wiring, on 4 nodes (32 GPUs: a shorter search): a ranked list of layouts of that job
+    out = CliRunner().invoke(cli, ["plan", str(LLAMA), "--search", "--json", "--set", "job.nodes=4",
+                                   "--set", "parallel.dp=-1"])
+    assert out.exit_code == 0, out.output
+    listed = json.loads(out.output)
+    assert listed and all(o["layout"]["pp"] * o["layout"]["dp"] * o["layout"]["tp"] == 32 for o in listed)
+    assert [o["tokens_per_s"] for o in listed] == sorted((o["tokens_per_s"] for o in listed), reverse=True)
