@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -115,22 +114,15 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each worker of one xdist run
-    if not run:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"hpctrain-tests-{run}"
+    # the run's own folder, the parent of every worker's basetemp: pytest removes it with old runs
+    base = Path(item.config.option.basetemp).parent
     alone = item.get_closest_marker("alone") is not None
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.room", "a") as room:
+    with open(base / "tests.gate", "a") as gate, open(base / "tests.room", "a") as room:
         fcntl.flock(gate, fcntl.LOCK_EX)
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
         fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield  # setup (module fixtures included), call, teardown; closing the files releases both locks
-
-
-def pytest_sessionfinish(session) -> None:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run:  # a worker that is done: the other, if still running, is alone anyway
-        for suffix in (".gate", ".room"):
-            (Path(tempfile.gettempdir()) / f"hpctrain-tests-{run}{suffix}").unlink(missing_ok=True)
