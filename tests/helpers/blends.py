@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 SEQ = 8  # data.seq_len of every blend test
+VOCAB = 4200  # model.vocab_size for `blend` (its tokens reach 4049)
+BASE = [f"model.vocab_size={VOCAB}", "data.source=bin", f"data.seq_len={SEQ}"]
 
 
 def token_file(path: Path, n_tokens: int, offset: int) -> Path:
@@ -35,3 +38,16 @@ def three_files(root: Path) -> list[str]:
     for p, n, offset in zip(paths, (40, 12, 20), (3600, 3930, 4030)):
         sample_file(Path(val_file(p)), n, offset)
     return paths
+
+
+# module-scoped fixtures of the blend tests, offered by tests/pure/data/conftest.py and tests/multiproc/data/conftest.py
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> list[Path]:
+    """two_files' blend."""
+    return two_files(tmp_path_factory.mktemp("blend"))
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory) -> list[str]:
+    """three_files' blend."""
+    return three_files(tmp_path_factory.mktemp("blend3"))

@@ -9,26 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from helpers.blends import SEQ, three_files, two_files
+from helpers.blends import BASE
 from helpers.training import SMALL
 from hpctrain.config import load_config
 from hpctrain.job import session
 from hpctrain.train.trainer import Trainer
-
-VOCAB = 4200
-BASE = [f"model.vocab_size={VOCAB}", "data.source=bin", f"data.seq_len={SEQ}"]
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> list[Path]:
-    return two_files(tmp_path_factory.mktemp("blend"))
-
-
-@pytest.fixture(scope="module")
-def blend(tmp_path_factory) -> list[str]:
-    return three_files(tmp_path_factory.mktemp("blend3"))
 
 
 def _run(tmp_path, files, *sets):

@@ -23,25 +23,12 @@ import pytest
 import torch
 from faults import record
 
-from helpers.blends import SEQ, sample_file, three_files, two_files
+from helpers.blends import BASE, SEQ, VOCAB, sample_file
 from helpers.refusals import refused
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
 from hpctrain.data.blend import BlendedSamples, BlendLoader, blend_order
 from hpctrain.data.tokenfiles import ArraySource
-
-VOCAB = 4200  # model.vocab_size for `blend` (its tokens reach 4049)
-BASE = [f"model.vocab_size={VOCAB}", "data.source=bin", f"data.seq_len={SEQ}"]
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> list[Path]:
-    return two_files(tmp_path_factory.mktemp("blend"))
-
-
-@pytest.fixture(scope="module")
-def blend(tmp_path_factory) -> list[str]:
-    return three_files(tmp_path_factory.mktemp("blend3"))
 
 
 def _loader(files, micro, rank=0, dp=1, seed=0, shares=(0.75, 0.25)) -> BlendLoader:
