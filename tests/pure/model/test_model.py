@@ -119,3 +119,21 @@ def test_70b_example_counts_and_dry_run() -> None:
     res = CliRunner().invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "llama-70b.toml"), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert "layout pp=1 dp=16 tp=8 on 16 node(s) x 8 rank(s)" in res.output and "#SBATCH --nodes=16" in res.output
+
+
+def test_swiglu_keeps_two_tensors_and_gives_autograds_gradients_bit_for_bit() -> None:
+    """SwiGLU (the MLP's silu(gate) * up) saves gate and up only, and its backward is autograd's: the same values,
+    bit for bit, in fp32 and bf16 (the memory it saves is counted by benchmarks/activation_memory.py)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        gate, up, grad = (torch.randn(2, 16, 48, generator=g).to(dtype) for _ in range(3))
+        gate.requires_grad_(True)
+        up.requires_grad_(True)
+        ref = F.silu(gate) * up
+        ref_grads = torch.autograd.grad(ref, (gate, up), grad)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = model.SwiGLU.apply(gate, up)
+        assert len(saved) == 2 and torch.equal(out, ref)
+        for ours, theirs in zip(torch.autograd.grad(out, (gate, up), grad), ref_grads):
+            assert torch.equal(ours, theirs), dtype
