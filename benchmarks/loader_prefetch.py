@@ -35,6 +35,7 @@ from _verdict import balanced, verdict
 from _launch import write_results
 from hpctrain.config import DataConfig, load_config
 from hpctrain.data import loader as data
+from hpctrain.data.sources import open_source
 from hpctrain.job import session
 from hpctrain.train.metrics import host_values
 from hpctrain.train.trainer import Trainer
@@ -53,7 +54,7 @@ def token_file(root: Path) -> Path:
 
 
 def device_case(args, path: Path) -> dict:
-    source = data.open_source(DataConfig(source="hdf5", path=str(path), seq_len=2048), 256)
+    source = open_source(DataConfig(source="hdf5", path=str(path), seq_len=2048), 256)
 
     def make() -> data.TokenLoader:
         return data.TokenLoader(source, 2048, 8, 0, 1, seed=0)

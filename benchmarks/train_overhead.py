@@ -31,6 +31,7 @@ from _launch import write_results
 from hpctrain.bench.gemm import measure_gemm
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
+from hpctrain.data.sources import open_source
 from hpctrain.job import session
 from hpctrain.model.transformer import ModelDims, Transformer, init_value
 from hpctrain.train.trainer import Trainer
@@ -64,7 +65,7 @@ class Plain:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                       {"params": keep, "weight_decay": 0.0}],
                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
-        source = data.open_source(cfg.data, self.dims.true_vocab_size)  # as the Trainer opens it
+        source = open_source(cfg.data, self.dims.true_vocab_size)  # as the Trainer opens it
         self.loader = data.TokenLoader(source, cfg.data.seq_len, t.micro_batch_size, 0, 1, t.seed)
         self.clip = t.grad_clip
 

@@ -1,5 +1,5 @@
-"""Tokens for training: the sources [data] names (one file, a blend, synthetic), the resumable loader and the
-validation loader.
+"""Tokens for training: the resumable loader over the sources [data] names (hpctrain.data.sources opens them), the
+validation loader and the job-start check of token ids.
 
     source = open_source(cfg.data, cfg.model.vocab_size)  # synthetic data: seed= picks another stream
     loader = TokenLoader(source, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank, dp_size, cfg.train.seed)
@@ -9,10 +9,10 @@ validation loader.
 The loader's position is global (samples consumed by all dp ranks together), so a checkpoint taken with one dp
 size resumes exactly with another. The loaders know nothing of torch.distributed: ranks come in as ints.
 
-No pass over the token ids on the login node, and one at job start at most:
+No pass over the token ids on the login node (sources.check_before_submission reads records only), and one at
+job start at most:
 
-    lines = check_before_submission(cfg.data, vocab_size, with_val, hf_sha)  # submit, --dry-run: records only
-    check_ids_at_start(cfg, group, run_dir, heartbeat)                        # every rank, before open_sources
+    check_ids_at_start(cfg, group, run_dir, heartbeat)  # every rank, before open_sources
 
 Submission reads what `data build` recorded beside each file (tokenfiles); a file without a record (or with one
 for another file) is named, with when it will be checked. At job start each such file is scanned by one rank
@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -41,108 +40,11 @@ from hpctrain.config import Config, DataConfig
 from hpctrain.data import tokenfiles
 from hpctrain.data.blend import BlendedSamples, BlendLoader
 from hpctrain.data.build import EOS, VOCAB_SIZE, decode, encode  # noqa: F401  (the byte tokenizer, kept here)
-from hpctrain.data.tokenfiles import ArraySource, HDF5Source, TokenSource, check_records, val_file
+from hpctrain.data.sources import VAL_SEED_OFFSET, open_file, open_source, open_sources, size_text, val_paths
+from hpctrain.data.tokenfiles import TokenSource
 from hpctrain.hang.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
-
-# --- token sources (files: hpctrain.data.tokenfiles) ----------------------------------------------------------
-
-class SyntheticSource(TokenSource):
-    """Endless-looking learnable text with no file: documents of 32-256 tokens separated by EOS.
-
-    Each document counts up from a random start by a step in {1, 2, 3}, wrapping within ids 1..vocab_size-1
-    (so it never emits EOS inside a document): after two tokens the rest is predictable, and a tiny model's
-    loss falls well below log(vocab_size). The stream is cut into chunks, each generated from its own
-    RNG seeded by (seed, chunk index), so any slice is reproducible without generating what comes before it;
-    a chunk ends with EOS, cutting its last document short.
-    """
-    CHUNK = 4096  # tokens: a short slice generates little beyond itself; numpy's per-call cost is spread
-    MIN_DOC, MAX_DOC = 32, 256
-
-    def __init__(self, vocab_size: int, seed: int, num_tokens: int = 2 ** 22) -> None:
-        if vocab_size < 2:
-            raise ValueError(f"synthetic data needs vocab_size >= 2 (EOS plus one token), got {vocab_size}")
-        self.vocab_size, self.seed, self.num_tokens = vocab_size, seed, num_tokens
-        self.name, self.max_id = "synthetic data", vocab_size - 1
-
-    def _chunk(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, index])
-        num_docs = self.CHUNK // (self.MIN_DOC + 1) + 1  # enough documents to fill a chunk even if all are short
-        lengths = rng.integers(self.MIN_DOC, self.MAX_DOC + 1, size=num_docs)
-        starts = rng.integers(0, self.vocab_size - 1, size=num_docs)
-        steps = rng.integers(1, 4, size=num_docs)
-        ends = np.cumsum(lengths + 1)  # each document is followed by one EOS
-        pos = np.arange(self.CHUNK)
-        doc = np.searchsorted(ends, pos, side="right")
-        offset = pos - (ends[doc] - lengths[doc] - 1)
-        body = 1 + (starts[doc] + steps[doc] * offset) % (self.vocab_size - 1)
-        tokens = np.where(offset == lengths[doc], EOS, body).astype(np.int64)
-        tokens[-1] = EOS  # the document cut by the chunk boundary ends here, like any other
-        return tokens
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        stop = min(start + count, self.num_tokens)
-        if stop <= start:
-            return np.zeros(0, dtype=np.int64)
-        first, last = start // self.CHUNK, (stop - 1) // self.CHUNK
-        joined = np.concatenate([self._chunk(i) for i in range(first, last + 1)])
-        return joined[start - first * self.CHUNK:stop - first * self.CHUNK]
-
-
-def _open_file(cfg: DataConfig, path_text: str, key: str, scan: bool = True,
-               run_dir: str | os.PathLike | None = None) -> TokenSource:
-    path = Path(path_text)
-    if not path.is_file():
-        raise ValueError(f"{key} = {path_text!r} does not exist")
-    is_hdf5 = path.suffix in (".h5", ".hdf5")
-    if is_hdf5 != (cfg.source == "hdf5"):
-        raise ValueError(f"{key} = {path_text!r} does not fit data.source = {cfg.source!r} "
-                         f"(hdf5 reads .h5/.hdf5, bin reads .bin/.npy)")
-    try:
-        return (HDF5Source if is_hdf5 else ArraySource)(path, scan=scan, run_dir=run_dir)
-    except OSError as e:
-        raise ValueError(f"{key} = {path_text!r} cannot be read as {cfg.source}: {e}") from None
-
-
-def _check_source(source: TokenSource, name: str, vocab_size: int, seq_len: int) -> TokenSource:
-    """The source against the model; its ids only when known (max_id None: left for the job's start)."""
-    if source.max_id is not None and source.max_id >= vocab_size:
-        raise ValueError(f"{name} holds token ids up to {source.max_id} but model.vocab_size = {vocab_size}: "
-                         f"every id must be < vocab_size")
-    if source.vocab_size > vocab_size:
-        raise ValueError(f"{name} records vocab_size {source.vocab_size} (ids up to {source.max_id}) but "
-                         f"model.vocab_size = {vocab_size}: the model must embed every id of its tokenizer")
-    if len(source) < seq_len + 1:
-        raise ValueError(f"{name} holds {len(source)} tokens, fewer than one sequence of "
-                         f"data.seq_len + 1 = {seq_len + 1}")
-    return source
-
-
-def open_sources(cfg: DataConfig, vocab_size: int, seed: int = 0, hf_tokenizer_sha256: str | None = None,
-                 files: list[str] | None = None, scan: bool = True) -> list[TokenSource]:
-    """Every token source [data] describes (data.paths, or data.path, or the synthetic stream), each checked
-    against the model (ids fit its vocab, one sequence fits) and all against one another (one tokenizer, and the
-    HF directory's when given: tokenfiles.check_records). `files` replaces the configured ones (validation).
-    scan=False reads no token id: a file no record describes comes back with max_id None, its ids unchecked."""
-    if cfg.source == "synthetic":
-        return [_check_source(SyntheticSource(vocab_size, seed), "synthetic data", vocab_size, cfg.seq_len)]
-    keys = ([f"data.paths[{i}]" for i in range(len(cfg.paths))] if cfg.paths else ["data.path"]) \
-        if files is None else [f"validation file {i}" for i in range(len(files))]
-    sources = []
-    for key, path in zip(keys, cfg.files if files is None else files):
-        sources.append(_check_source(_open_file(cfg, path, key, scan), f"{key} = {path!r}", vocab_size,
-                                     cfg.seq_len))
-    check_records(sources, vocab_size, hf_tokenizer_sha256)
-    return sources
-
-
-def open_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
-    """The one token source of data.path (or the synthetic stream); open_sources for a blend."""
-    if cfg.paths:
-        raise ValueError(f"data.paths = {cfg.paths} is a blend: open it with open_sources")
-    return open_sources(cfg, vocab_size, seed)[0]
-
 
 def make_loader(cfg: DataConfig, sources: list[TokenSource], micro_batch_size: int, dp_rank: int, dp_size: int,
                 seed: int) -> "TokenLoader | BlendLoader":
@@ -161,59 +63,21 @@ def train_loader(config: Config, vocab_size: int, micro_batch_size: int, dp_rank
     return PrefetchLoader(loader, config.train.prefetch, pin_memory) if config.train.prefetch else loader
 
 
-VAL_SEED_OFFSET = 1_000_003  # synthetic validation data: a stream no training seed of a run draws
-
-
-def val_paths(cfg: DataConfig) -> list[str]:
-    """The validation files of a file-backed [data]: data.val_path when set, else "<stem>.val<suffix>" beside
-    data.path or each of data.paths; a missing one is a ValueError saying how to make it."""
-    files = [cfg.val_path] if cfg.val_path else [val_file(p) for p in cfg.files]
-    for path in files:
-        if not Path(path).is_file():
-            raise ValueError(f"validation split {path!r} does not exist: set data.val_path, or build the data with "
-                             f"`hpctrain data build --val-fraction`, or set train.eval_every = 0")
-    return files
-
-
 def open_val_source(cfg: DataConfig, vocab_size: int, seed: int = 0) -> TokenSource:
     """The validation split train.eval_every evaluates: val_paths' files, several blended in order with
     data.weights (BlendedSamples); for synthetic data the same generator on another seed. Checked as open_sources
     checks."""
     if cfg.source == "synthetic":
         return open_source(cfg, vocab_size, seed + VAL_SEED_OFFSET)
-    sources = open_sources(cfg, vocab_size, seed, files=val_paths(cfg))
-    return sources[0] if len(sources) == 1 else BlendedSamples(sources, cfg.shares, cfg.seq_len)
-
-
-def _size_text(num_bytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if num_bytes >= scale / 10:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes / 1e3:.1f} kB"
-
-
-def check_before_submission(cfg: DataConfig, vocab_size: int, with_val: bool,
-                            hf_tokenizer_sha256: str | None = None) -> list[str]:
-    """What open_sources (and open_val_source, with_val) check, on the login node, reading no token id: the
-    files, their sidecars, shapes and tokenizer records, and each file's ids where a record proves them (data
-    build's, or an earlier job's check). ValueError as open_sources. Returns a line for each file whose ids are
-    left for the job's start (check_ids_at_start)."""
-    sources = open_sources(cfg, vocab_size, hf_tokenizer_sha256=hf_tokenizer_sha256, scan=False)
-    if with_val and cfg.source != "synthetic":
-        sources += open_sources(cfg, vocab_size, files=val_paths(cfg), scan=False)
-    lines = {}
-    for s in sources:
-        if s.max_id is None:
-            lines[s.name] = (f"{s.name}: {s.unchecked}; one rank checks its {_size_text(s.path.stat().st_size)} of "
-                             f"token ids at job start")
-    return list(lines.values())
+    opened = open_sources(cfg, vocab_size, seed, files=val_paths(cfg))
+    return opened[0] if len(opened) == 1 else BlendedSamples(opened, cfg.shares, cfg.seq_len)
 
 
 def _file_view(cfg: DataConfig, path: str, run_dir: str | os.PathLike | None) -> tuple[Any, TokenSource | None]:
     """One rank's view of a token file at job start, for its peers: (size, sample, dtype, max_id or None), or the
     error opening it gives."""
     try:
-        src = _open_file(cfg, path, f"data file {path!r}", scan=False, run_dir=run_dir)
+        src = open_file(cfg, path, f"data file {path!r}", scan=False, run_dir=run_dir)
     except ValueError as e:
         return str(e), None
     key = src.identity
@@ -294,7 +158,7 @@ def check_ids_at_start(config: Config, group: Any, run_dir: str | os.PathLike | 
         for i in todo:
             log.info("%s: %s; rank %d (%s) checks its %s of token ids now, once for every rank", files[i],
                      opened[i][1].unchecked, scanner[i], hosts[scanner[i]],
-                     _size_text(opened[i][1].identity["size"]))
+                     size_text(opened[i][1].identity["size"]))
     scans = {i: tokenfiles._scan_ids(opened[i][1]) for i in todo if scanner[i] == rank}
     state: dict[int, list[Any]] = {i: [0, 0, -1, None] for i in scans}  # tokens read, low, high, error
     finished: set[int] = set()
@@ -332,7 +196,7 @@ def check_ids_at_start(config: Config, group: Any, run_dir: str | os.PathLike | 
         read = sum(reports[i][0][0] * np.dtype(opened[i][1].identity["dtype"]).itemsize for i in todo)
         total = sum(opened[i][1].identity["size"] for i in todo)
         left = sum(i not in ranges for i in todo)
-        detail = f"token ids: {_size_text(read)} of {_size_text(total)} checked, {left} of {len(todo)} files left"
+        detail = f"token ids: {size_text(read)} of {size_text(total)} checked, {left} of {len(todo)} files left"
         if heartbeat is not None:
             heartbeat.enter("startup", detail)  # progress: the watchdog's clock starts again
         if rank == 0:

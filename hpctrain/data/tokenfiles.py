@@ -15,9 +15,9 @@ tokens). Otherwise the ids are scanned once (with scan=True; read() in slices, n
 cached. Every JSON file is read through hpctrain.untrusted (size and depth bounded, no symbolic link): a bad
 sidecar is refused, a bad or stale record or cache only means the ids are not known yet. Nothing read is trusted
 beyond that identity: the loader checks every batch's ids again (hpctrain.data.loader.TokenLoader).
-TokenSource is the interface every source follows. Most callers want hpctrain.data.loader.open_source, which picks the
-class from the config and checks the file against the model; hpctrain.data.loader writes these files (build_dataset)
-and checks unrecorded files once per job (check_ids_at_start).
+TokenSource is the interface every source follows. Most callers want hpctrain.data.sources.open_source, which
+picks the class from the config and checks the file against the model; hpctrain.data.build writes these files
+(build_dataset) and hpctrain.data.loader checks unrecorded files once per job (check_ids_at_start).
 """
 from __future__ import annotations
 

@@ -234,13 +234,13 @@ def check_layout(cfg: Config, echo=print, strict_data: bool = True) -> Plan:
     """The job's plan (layout and topology for nodes x tasks_per_node under block placement; the model and batch
     when it trains) and its data, refused here on the login node. strict_data=False (dry runs) only warns about
     the dataset, which may live on a file system this machine does not see. The data is checked from its records
-    alone (data.check_before_submission): no token id is read here, and a file without a record is named with when
+    alone (sources.check_before_submission): no token id is read here, and a file without a record is named with when
     its ids will be checked (at job start, by one rank)."""
     plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node))
     if plan.training:
         for note in plan.notes:
             echo(note)
-        from hpctrain.data import loader as data
+        from hpctrain.data import sources as data
         try:
             for line in data.check_before_submission(cfg.data, plan.dims.true_vocab_size, cfg.train.eval_every > 0,
                                                      hf_tokenizer_sha256(cfg)):

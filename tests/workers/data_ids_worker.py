@@ -21,6 +21,7 @@ from helpers.training import TINY  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
 from hpctrain.data import loader as data
 from hpctrain.data import tokenfiles
+from hpctrain.data.sources import open_source
 from hpctrain.job import session
 from hpctrain.train.trainer import Trainer  # noqa: E402
 
@@ -60,7 +61,7 @@ def main(out: Path, base_port: int) -> None:
             c = load_config(None, base + [f"data.path={path}"])
             data.check_ids_at_start(c, dist.group.WORLD, s.run_dir, s.heartbeat, round_s=0.1)
             checked = len(scans)
-            source = data.open_source(c.data, 256)
+            source = open_source(c.data, 256)
             return {"max_id": source.max_id, "scans_on_open": len(scans) - checked}
 
         # the trainer's own call: the training file and its validation split, one rank each

@@ -11,7 +11,7 @@ import pytest
 from helpers.tokenized import write_text_tree
 from hpctrain.config import DataConfig
 from hpctrain.data.build import build_dataset
-from hpctrain.data.loader import open_source
+from hpctrain.data.sources import open_source
 
 SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}
 

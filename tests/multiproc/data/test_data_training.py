@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.data.loader import SyntheticSource, TokenLoader
+from hpctrain.data.loader import TokenLoader
+from hpctrain.data.sources import SyntheticSource
 
 
 def test_tiny_model_learns_synthetic_data():

@@ -22,6 +22,7 @@ from helpers.refusals import refused
 from hpctrain.config import SECTIONS, DataConfig, TrainConfig, load_config
 from hpctrain.data import loader as data
 from hpctrain.data import tokenfiles
+from hpctrain.data.sources import open_source
 from hpctrain.job import runs
 
 pytestmark = pytest.mark.faults
@@ -204,9 +205,9 @@ IDS = list(range(1, 40)) + [300] + list(range(40, 80))  # one id past a 256 voca
 
 def test_sidecar_understating_the_vocab_is_caught(tmp_path):
     path = bin_file(tmp_path, IDS, {"dtype": "uint16", "num_tokens": len(IDS), "vocab_size": 256})
-    refused(data.open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256,
+    refused(open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256,
             fragments=[str(path), "300", "model.vocab_size = 256"])
-    assert data.open_source(DataConfig(source="bin", path=str(path), seq_len=8), 301).vocab_size == 301
+    assert open_source(DataConfig(source="bin", path=str(path), seq_len=8), 301).vocab_size == 301
     record("token file whose sidecar says vocab_size 256 but holds id 300",
            "ValueError naming the file, the id and the vocab size", tier="pure")
 
@@ -215,7 +216,7 @@ def test_hdf5_attribute_understating_the_vocab_is_caught(tmp_path):
     path = tmp_path / "tok.h5"
     with h5py.File(path, "w") as f:
         f.create_dataset("tokens", data=np.array(IDS, dtype=np.uint16)).attrs["vocab_size"] = 256
-    refused(data.open_source, DataConfig(source="hdf5", path=str(path), seq_len=8), 256,
+    refused(open_source, DataConfig(source="hdf5", path=str(path), seq_len=8), 256,
             fragments=[str(path), "300", "model.vocab_size = 256"])
     record("HDF5 tokens with attribute vocab_size 256 holding id 300",
            "ValueError naming the file, the id and the vocab size", tier="pure")
@@ -235,7 +236,7 @@ def test_hdf5_attribute_understating_the_vocab_is_caught(tmp_path):
 ])
 def test_untrusted_sidecar_values_are_refused(tmp_path, meta, fragments):
     path = bin_file(tmp_path, range(100), meta)
-    refused(data.open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256,
+    refused(open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256,
             fragments=[str(path), *fragments])
     record("sidecar with a negative, wrongly typed or nonsense vocab_size, num_tokens, dtype or byteorder",
            "ValueError naming the file, the key and the value", tier="pure")
@@ -244,7 +245,7 @@ def test_untrusted_sidecar_values_are_refused(tmp_path, meta, fragments):
 def test_sidecar_that_is_not_json(tmp_path):
     path = bin_file(tmp_path, range(100))
     (tmp_path / "tok.bin.json").write_text("{vocab_size: 256")
-    refused(data.open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256,
+    refused(open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256,
             fragments=[str(tmp_path / "tok.bin.json"), "JSON"])
 
 
@@ -257,7 +258,7 @@ def test_untrusted_ids_in_npy_are_refused(tmp_path, dtype, ids, fragments):
     path = tmp_path / "tok.npy"
     np.save(path, np.array(ids, dtype=dtype))
     (tmp_path / "tok.npy.json").write_text(json.dumps({"vocab_size": 256}))  # the sidecar lies
-    refused(data.open_source, DataConfig(source="bin", path=str(path), seq_len=4), 256,
+    refused(open_source, DataConfig(source="bin", path=str(path), seq_len=4), 256,
             fragments=[str(path), *fragments])
     record("token file with negative ids, float tokens or ids past 2^63 (uint64)",
            "ValueError naming the file and the id or dtype", tier="pure")
@@ -267,11 +268,11 @@ def test_hdf5_untrusted_attribute_and_dtype(tmp_path):
     path = tmp_path / "tok.h5"
     with h5py.File(path, "w") as f:
         f.create_dataset("tokens", data=np.arange(50, dtype=np.uint16)).attrs["vocab_size"] = -1
-    refused(data.open_source, DataConfig(source="hdf5", path=str(path), seq_len=8), 256,
+    refused(open_source, DataConfig(source="hdf5", path=str(path), seq_len=8), 256,
             fragments=[str(path), "vocab_size", "-1"])
     with h5py.File(path, "w") as f:
         f.create_dataset("tokens", data=np.arange(50, dtype=np.float64))
-    refused(data.open_source, DataConfig(source="hdf5", path=str(path), seq_len=8), 256,
+    refused(open_source, DataConfig(source="hdf5", path=str(path), seq_len=8), 256,
             fragments=[str(path), "float64", "integer"])
     record("HDF5 tokens with vocab_size attribute -1, or float tokens", "ValueError naming the file", tier="pure")
 
@@ -282,17 +283,17 @@ def test_scan_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
     real = tokenfiles._scan_ids
     monkeypatch.setattr(tokenfiles, "_scan_ids", lambda *a: scans.append(1) or real(*a))
     cfg = DataConfig(source="bin", path=str(path), seq_len=8)
-    assert data.open_source(cfg, 256).max_id == 199 and len(scans) == 1
-    assert data.open_source(cfg, 256).max_id == 199 and len(scans) == 1  # a second run does not rescan
+    assert open_source(cfg, 256).max_id == 199 and len(scans) == 1
+    assert open_source(cfg, 256).max_id == 199 and len(scans) == 1  # a second run does not rescan
     ids = np.fromfile(path, dtype="<u2")
     ids[7] = 300  # rewritten in place, same size: the new mtime invalidates the cache
     ids.tofile(path)
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
-    refused(data.open_source, cfg, 256, fragments=[str(path), "300", "model.vocab_size = 256"])
+    refused(open_source, cfg, 256, fragments=[str(path), "300", "model.vocab_size = 256"])
     assert len(scans) == 2
     (tmp_path / "tok.bin.ids.json").write_text("garbage")  # a damaged cache is rescanned, not trusted
-    refused(data.open_source, cfg, 256, fragments=["300"])
+    refused(open_source, cfg, 256, fragments=["300"])
     assert len(scans) == 3
 
 
@@ -304,14 +305,14 @@ def test_scan_cache_falls_back_when_the_files_directory_is_not_writable(tmp_path
     real = tokenfiles._scan_ids
     monkeypatch.setattr(tokenfiles, "_scan_ids", lambda *a: scans.append(1) or real(*a))
     cfg = DataConfig(source="bin", path=str(path), seq_len=8)
-    assert data.open_source(cfg, 256).max_id == 199
-    assert data.open_source(cfg, 256).max_id == 199 and len(scans) == 1
+    assert open_source(cfg, 256).max_id == 199
+    assert open_source(cfg, 256).max_id == 199 and len(scans) == 1
     assert len(list((tmp_path / "cache").rglob("*.json"))) == 1
 
 
 def test_loader_refuses_ids_past_the_vocab_in_a_batch(tmp_path):
     path = bin_file(tmp_path, [1] * 200, {"vocab_size": 256})
-    source = data.open_source(DataConfig(source="bin", path=str(path), seq_len=8), 256)
+    source = open_source(DataConfig(source="bin", path=str(path), seq_len=8), 256)
     loader = data.TokenLoader(source, 8, 4, 0, 1, seed=0)
     loader.next_batch()
     with open(path, "r+b") as f:  # the file changes under a running job (its cache key is not re-read)

@@ -28,6 +28,7 @@ from helpers.refusals import refused
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
 from hpctrain.data.blend import BlendedSamples, BlendLoader, blend_order
+from hpctrain.data.sources import open_source, open_sources
 from hpctrain.data.tokenfiles import ArraySource
 
 
@@ -41,7 +42,7 @@ def _cfg(paths: list[str], *sets: str):
 
 def _loaders(paths, micro: int, dp: int, seed: int = 0) -> list[BlendLoader]:
     cfg = _cfg(paths)
-    sources = data.open_sources(cfg, VOCAB)
+    sources = open_sources(cfg, VOCAB)
     return [data.make_loader(cfg, sources, micro, r, dp, seed) for r in range(dp)]
 
 
@@ -148,10 +149,10 @@ def test_small_file_epochs_are_reshuffled_and_complete(blend) -> None:
 def test_the_single_file_state_still_loads_and_the_kinds_are_not_mixed(blend) -> None:
     old = {"epoch": 1, "sample_index": 28, "seed": 3, "samples_seen": 328}  # as the single-file loader saved it
     single = load_config(None, BASE + [f"data.path={blend[0]}"]).data
-    loader = data.make_loader(single, data.open_sources(single, VOCAB), 4, 0, 1, 0)
+    loader = data.make_loader(single, open_sources(single, VOCAB), 4, 0, 1, 0)
     assert isinstance(loader, data.TokenLoader)
     loader.load_state_dict(old)
-    ref = data.TokenLoader(data.open_source(single, VOCAB), SEQ, 4, 0, 1, 3)
+    ref = data.TokenLoader(open_source(single, VOCAB), SEQ, 4, 0, 1, 3)
     ref.epoch, ref.sample_index, ref.samples_seen = 1, 28, 328
     assert torch.equal(loader.next_batch()[0], ref.next_batch()[0]) and loader.state_dict() == ref.state_dict()
     (blended,) = _loaders(blend, 4, 1)
@@ -190,7 +191,7 @@ def test_blended_validation_is_fixed_and_sharded_as_training(blend, tmp_path) ->
 def test_refusals(files, tmp_path) -> None:
     base = ["model.vocab_size=2100", "data.source=bin", "data.seq_len=8"]
     cfg = load_config(None, base + [f"data.paths={[str(files[0]), str(tmp_path / 'gone.bin')]}"])
-    refused(data.open_sources, cfg.data, 2100, fragments=["data.paths[1]", "gone.bin", "does not exist"])
+    refused(open_sources, cfg.data, 2100, fragments=["data.paths[1]", "gone.bin", "does not exist"])
     refused(load_config, None, base + [f"data.paths={[str(f) for f in files]}", "data.weights=[1.0]"],
             fragments=["one weight per entry"])
     refused(load_config, None, base + [f"data.paths={[str(files[0])] * 2}"], fragments=["names a file twice"])
@@ -200,12 +201,12 @@ def test_refusals(files, tmp_path) -> None:
 
 def test_every_file_is_checked_and_named(blend, tmp_path) -> None:
     short = sample_file(tmp_path / "short.bin", 0, 0)  # one token: not one sample
-    refused(data.open_sources, _cfg([blend[0], blend[1], short]), VOCAB,
+    refused(open_sources, _cfg([blend[0], blend[1], short]), VOCAB,
             fragments=["data.paths[2]", "short.bin", "fewer than one sequence"])
-    refused(data.open_sources, _cfg(blend), 3050, fragments=["data.paths[1]", "small.bin", "< vocab_size"])
+    refused(open_sources, _cfg(blend), 3050, fragments=["data.paths[1]", "small.bin", "< vocab_size"])
     h5 = tmp_path / "x.h5"
     h5.write_bytes(b"")
-    refused(data.open_sources, _cfg([blend[0], blend[1], str(h5)]), VOCAB,
+    refused(open_sources, _cfg([blend[0], blend[1], str(h5)]), VOCAB,
             fragments=["data.paths[2]", "x.h5", "does not fit data.source = 'bin'"])
 
 
@@ -214,11 +215,11 @@ def test_files_of_different_tokenizers_are_refused(tmp_path) -> None:
     sidecar = lambda p, sha: Path(p + ".json").write_text(json.dumps({"tokenizer_sha256": sha}))  # noqa: E731
     sidecar(paths[0], "a" * 64)
     cfg = _cfg(paths)
-    assert len(data.open_sources(cfg, VOCAB)) == 3  # a file without a record is checked by its ids only
+    assert len(open_sources(cfg, VOCAB)) == 3  # a file without a record is checked by its ids only
     sidecar(paths[2], "a" * 64)
-    assert data.open_sources(cfg, VOCAB)[2].record["tokenizer_sha256"] == "a" * 64
+    assert open_sources(cfg, VOCAB)[2].record["tokenizer_sha256"] == "a" * 64
     sidecar(paths[2], "b" * 64)
-    refused(data.open_sources, cfg, VOCAB, fragments=["different tokenizers", "a.bin", "c.bin"])
+    refused(open_sources, cfg, VOCAB, fragments=["different tokenizers", "a.bin", "c.bin"])
 
 
 @pytest.mark.faults

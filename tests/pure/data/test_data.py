@@ -22,7 +22,8 @@ from helpers.refusals import refused
 from helpers.tokenized import write_text_tree
 from hpctrain.config import DataConfig
 from hpctrain.data.build import build_dataset, project_corpus_inputs
-from hpctrain.data.loader import EOS, VOCAB_SIZE, SyntheticSource, TokenLoader, decode, encode, open_source
+from hpctrain.data.loader import EOS, VOCAB_SIZE, TokenLoader, decode, encode
+from hpctrain.data.sources import SyntheticSource, open_source
 from hpctrain.data.tokenfiles import ArraySource, HDF5Source, file_identity
 
 SUFFIX_SOURCE = {".bin": "bin", ".npy": "bin", ".h5": "hdf5", ".hdf5": "hdf5"}

@@ -26,6 +26,7 @@ from hpctrain.config import DataConfig, load_config
 from hpctrain.data import loader as data
 from hpctrain.data import tokenfiles
 from hpctrain.data.build import build_dataset
+from hpctrain.data.sources import open_source
 from hpctrain.data.tokenfiles import ArraySource, HDF5Source, file_identity
 from hpctrain.hang.heartbeat import Heartbeat
 from hpctrain.job import launch
@@ -133,7 +134,7 @@ def test_a_damaged_or_foreign_record_is_not_trusted(tmp_path, case, scans) -> No
     (tmp_path / "tok.bin.json").write_text(json.dumps({"vocab_size": 256, "ids": entry}))
     source = ArraySource(path, scan=False)
     assert source.max_id is None and "for another file" in source.unchecked and scans == []
-    refused(data.open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256, fragments=["300"])
+    refused(open_source, DataConfig(source="bin", path=str(path), seq_len=8), 256, fragments=["300"])
     assert scans == ["tok.bin"]
     record("data build record (sidecar \"ids\") damaged (a wrong type, a bool, min_id > 0, max_id < -1) or for "
            "another file (dtype, first and last MiB, mtime)", "not trusted: the ids are left unchecked at "
@@ -147,7 +148,7 @@ def test_a_forged_record_is_caught_by_the_loader(tmp_path) -> None:
     np.full(400, 300, dtype="<u2").tofile(path)
     (tmp_path / "tok.bin.json").write_text(json.dumps({"vocab_size": 256, "ids": file_identity(path) | {
         "dtype": "<u2", "min_id": 0, "max_id": 10}}))
-    source = data.open_source(DataConfig(source="bin", path=str(path), seq_len=8), 256)
+    source = open_source(DataConfig(source="bin", path=str(path), seq_len=8), 256)
     assert source.max_id == 10 and source.vocab_size == 256
     refused(data.TokenLoader(source, 8, 2, 0, 1, seed=0).next_batch, fragments=[str(path), "300", "256"])
     record("data build record naming the file exactly but claiming max_id 10 for ids of 300",
@@ -185,7 +186,7 @@ def test_job_start_checks_each_file_once_with_progress(tmp_path, monkeypatch, sc
     assert caplog.text.count("files left") == 20
     assert "no record of its ids from data build; rank 0" in caplog.text and "token ids checked in" in caplog.text
     assert len(list((run_dir / "ids").glob("*.json"))) == 2
-    assert data.open_source(cfg, 256).max_id == 199 and data.open_val_source(cfg, 256).max_id == 199
+    assert open_source(cfg, 256).max_id == 199 and data.open_val_source(cfg, 256).max_id == 199
     assert len(scans) == 2
     tokenfiles._checked_here.clear()  # a requeued job: a new process, the same run directory
     assert ArraySource(tmp_path / "tok.bin", scan=False, run_dir=run_dir).max_id == 199 and len(scans) == 2

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.data.loader import PrefetchLoader, SyntheticSource, TokenLoader
+from hpctrain.data.loader import PrefetchLoader, TokenLoader
+from hpctrain.data.sources import SyntheticSource
 
 
 def sync_loader(dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 2, source=None) -> TokenLoader:

@@ -18,6 +18,7 @@ from helpers.training import SMALL
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.data import loader as data
+from hpctrain.data.sources import open_source
 from hpctrain.data.tokenfiles import ArraySource
 
 
@@ -54,5 +55,5 @@ def test_pipelined_evaluation_needs_whole_schedules() -> None:
 @pytest.mark.parametrize("source", ["synthetic"])
 def test_synthetic_validation_is_another_stream(source) -> None:
     cfg = load_config(None, SMALL)
-    train, val = data.open_source(cfg.data, 256, seed=0), data.open_val_source(cfg.data, 256, seed=0)
+    train, val = open_source(cfg.data, 256, seed=0), data.open_val_source(cfg.data, 256, seed=0)
     assert not np.array_equal(train.read(0, 512), val.read(0, 512))
