@@ -90,6 +90,11 @@ PEERS_WATCHED = 8
 ACKS = "acks.json"
 # the longest one store operation may hold the watchdog: a stopped rank 0 never answers, and a poll is 0.2-5 s
 STORE_WAIT_S = 1.0
+# at stop, how long a store operation still in flight is waited for. A helper thread inside a store call when the
+# process exits aborts it ("terminate called without an active exception"): the call returns, often because rank 0
+# exited and its store went with it, while Python is finalising, and the thread is ended inside C++ that may not
+# unwind. Finished or failed, the call ends before the process does.
+STORE_EXIT_WAIT_S = 10.0
 MAX_ACK_BYTES = 16 << 10  # one rank's answer: a dump's header, a short stack, a flight recorder summary
 ACK_FRAMES = 16  # of the main thread's stack, innermost first: diagnose shows three
 
@@ -163,7 +168,12 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """Ends the thread and waits for it, and for a store operation it left in flight (StoreChannel.close)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.limits.poll_s + 2 * STORE_WAIT_S)
+        if self.channel is not None:
+            self.channel.close()
 
     def limit(self) -> tuple[float, str]:
         """The current phase's limit and the setting it comes from. A checkpoint's read or write gets the time the
@@ -383,8 +393,25 @@ class StoreChannel:
     def __init__(self, store: Any, world_size: int, wait_s: float = STORE_WAIT_S) -> None:
         self.store, self.world_size, self.wait_s = store, world_size, wait_s
         self._stuck: threading.Thread | None = None
+        self._closed = False
+
+    def close(self, wait_s: float = STORE_EXIT_WAIT_S) -> bool:
+        """No operation starts from now on; waits up to wait_s for one still in flight (see STORE_EXIT_WAIT_S).
+        False when one is still in the store after that (logged: the process may abort as it exits)."""
+        self._closed = True
+        stuck = self._stuck
+        if stuck is None:
+            return True
+        stuck.join(wait_s)
+        if stuck.is_alive():
+            log.warning("the watchdog's store call (%s) has not returned after %.0f s; if it returns while this "
+                        "process exits, the process aborts", stuck.name.rsplit(" ", 1)[-1], wait_s)
+            return False
+        return True
 
     def _call(self, name: str, *args: Any) -> Any:
+        if self._closed:
+            raise Unreachable("the watchdog has stopped")
         if self._stuck is not None and self._stuck.is_alive():
             raise Unreachable(f"the job's store has not answered an earlier {self._stuck.name.rsplit(' ', 1)[-1]}")
         box: dict[str, Any] = {}
@@ -396,10 +423,10 @@ class StoreChannel:
                 box["error"] = e
 
         t = threading.Thread(target=run, name=f"hpctrain-hang-store {name}", daemon=True)
+        self._stuck = t  # in flight; close() waits for it
         t.start()
         t.join(self.wait_s)
         if t.is_alive():
-            self._stuck = t
             raise Unreachable(f"the job's store (rank 0's process) did not answer {name} within {self.wait_s:g} s")
         if "error" in box:
             raise Unreachable(f"the job's store failed {name}: {type(box['error']).__name__}: {box['error']}")

@@ -152,9 +152,9 @@ def test_answers_reach_the_first_rank_while_files_appear_late(tmp_path, monkeypa
         if through_store:
             seconds = _until(lambda: len(ended) == 3, 10, f"not every live rank ended: {ended}")
     finally:
+        released.set()  # the watchdogs' end_job returns: stop() waits for their threads
         for dog in dogs:
             dog.stop()
-        released.set()
     outcome = json.loads((tmp_path / "requeues.jsonl").read_text().splitlines()[-1])
     blamed = {c["rank"]: c["dumped"] for c in outcome["culprits"]}
     if not through_store:  # the shim bites: ranks 0 and 3 never saw the request, and their nodes are blamed
@@ -209,9 +209,10 @@ def test_a_stopped_store_holds_no_watchdog(tmp_path, monkeypatch) -> None:
         try:
             seconds = _until(lambda: len(ended) == 2, 20, f"the ranks did not end: {ended}")
         finally:
+            released.set()
+            proc.kill()  # rank 0's process ends: the store calls its stop left the watchdogs fail now, not later
             for dog in dogs:
                 dog.stop()
-            released.set()
         # rank 2: a poll, STORE_WAIT_S for its request, the grace; rank 1 answered through the file meanwhile
         assert seconds < limits.poll_s + watchdog.STORE_WAIT_S + limits.grace_s + 2, seconds
         request = watchdog.read_request(tmp_path / "hang" / watchdog.REQUEST)
@@ -227,3 +228,57 @@ def test_a_stopped_store_holds_no_watchdog(tmp_path, monkeypatch) -> None:
            f"no store operation holds a watchdog past {watchdog.STORE_WAIT_S:g} s; the request goes through "
            "hang/request, which says the store did not carry it; both live ranks dump and end within a poll, that "
            "wait and the grace", seconds, "pure")
+
+
+RANK_AT_EXIT = """
+import datetime, sys, time
+import torch.distributed as dist
+from hpctrain.hang import watchdog
+from hpctrain.hang.heartbeat import Heartbeat
+
+port, run_dir, server_pid = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+
+
+class Answering:  # the store as rank 0 answers it at the end of a job: late (a busy server), until it goes
+    def check(self, keys):
+        client.wait(["never set"])  # in the store, the GIL released, until the server's process ends
+
+
+dog = watchdog.Watchdog(Heartbeat(run_dir, 1), run_dir, watchdog.Limits(step_s=2, long_s=60),
+                        channel=watchdog.StoreChannel(Answering(), 2))
+time.sleep(0.6)  # a poll or two: the watchdog's store call is in flight, held past STORE_WAIT_S
+import os, signal
+os.kill(server_pid, signal.SIGUSR1)  # rank 0 ends its job: its store goes 0.1 s from now
+dog.stop()
+print("stopped", flush=True)
+"""
+
+STORE_SERVER = """
+import datetime, signal, sys, time
+import torch.distributed as dist
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])  # for sigwait
+server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+print(server.port, flush=True)
+signal.sigwait([signal.SIGUSR1])
+time.sleep(0.1)
+"""
+
+
+def test_a_store_call_in_flight_as_the_job_ends_does_not_abort_the_rank(tmp_path) -> None:
+    """A rank's watchdog may be inside a store call when the job ends; rank 0's process, the store's server, then
+    exits and the call returns. Returning while the rank's Python is finalising, the helper thread is ended inside
+    C++ and the rank aborts ("terminate called without an active exception", signal 6: seen once in a full run, a
+    tp=2 job under mpiexec that had committed its checkpoint). stop() now waits for the call: the rank exits 0."""
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        rank = subprocess.run([sys.executable, "-c", RANK_AT_EXIT, port, str(tmp_path), str(server.pid)],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        server.kill()
+        server.wait()
+    assert "terminate called" not in rank.stderr, rank.stderr
+    assert rank.returncode == 0 and "stopped" in rank.stdout, rank.stdout + rank.stderr
+    record("a rank's watchdog inside a store call when rank 0's process (the store's server) exits at the job's end",
+           "the rank waits for the call at stop and exits 0; it aborted in C++ as Python finalised")
