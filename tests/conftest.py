@@ -58,13 +58,21 @@ def slurm_cluster() -> None:
 
 # --- tests at once (`make test` runs pytest -n 3, pytest-xdist) ---------------------------------------------------
 # A serial run left this host idle half of its time: tests wait on Slurm's scheduler, a requeue's hold, a hang limit,
-# a launcher. Under xdist:
-# - the tests on the local Slurm cluster are one unit of work, run in order by one worker (three nodes; those tests
-#   wait for an idle queue), handed out first since it is the longest; every other module is a unit, so its shared
-#   fixture runs once (a cluster module's tests that only use mpiexec are a unit apart from its Slurm tests);
-# - a test marked `alone` judges speeds measured on this host (the doctor's verdicts, stragglers): it waits until the
-#   other workers' tests have ended, and no test starts beside it. Every test takes a lock on the run's lock file,
-#   shared or (alone) exclusive, after passing a gate that an alone test holds while it waits, so it is never starved.
+# a launcher. Under xdist (units of work, handed out in this order):
+# - the tests on the local Slurm cluster are one unit, run in order by one worker (three nodes; those tests wait for
+#   an idle queue), handed out first since it is the longest;
+# - then every module with a module-scoped fixture of its own or a shared one (the training runs of many layouts
+#   that its tests compare, spawned once): a unit each, so the fixture runs once, and early, so that no such unit
+#   starts last and leaves the other workers idle at the end;
+# - then every other test, a unit each (a module of many slow tests is spread over the workers).
+# A test marked `alone` judges speeds measured on this host (the doctor's verdicts, stragglers): it waits until the
+# other workers' tests have ended, and no test starts beside it. Every test takes a lock on the run's lock file,
+# shared or (alone) exclusive, after passing a gate that an alone test holds while it waits, so it is never starved.
+
+def _decorated(node, word: str) -> bool:
+    import ast
+    return any(word in ast.unparse(d) for d in node.decorator_list)
+
 
 def slurm_tests(path: Path) -> frozenset[str]:
     """The test functions of a module that use the local Slurm cluster (the slurm_cluster fixture or the slurm
@@ -78,26 +86,53 @@ def slurm_tests(path: Path) -> frozenset[str]:
     for n in tree.body:
         if isinstance(n, ast.FunctionDef) and n.name.startswith("test"):
             args = {a.arg for a in n.args.args}
-            decos = " ".join(ast.unparse(d) for d in n.decorator_list)
-            if marked or "slurm_cluster" in args or "mark.slurm" in decos:
+            if marked or "slurm_cluster" in args or _decorated(n, "mark.slurm"):
                 out.add(n.name)
     return frozenset(out)
+
+
+def _module_fixtures(path: Path) -> frozenset[str]:
+    """Names of the fixtures a file defines with a scope wider than one test."""
+    import ast
+    return frozenset(n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
+                     and _decorated(n, "fixture") and any(f'scope="{w}"' in " ".join(map(ast.unparse, n.decorator_list))
+                                                         for w in ("module", "class", "package")))
+
+
+def shares_a_fixture(path: Path, shared: frozenset[str]) -> bool:
+    """Whether a test module has a module-scoped fixture of its own, or a test of it takes one of `shared` (those
+    of the conftest files and helpers)."""
+    import ast
+    if _module_fixtures(path):
+        return True
+    return any(isinstance(n, ast.FunctionDef) and {a.arg for a in n.args.args} & shared
+               for n in ast.walk(ast.parse(path.read_text())))
 
 
 def pytest_xdist_make_scheduler(config, log):
     import functools
 
     from xdist.scheduler import LoadScopeScheduling
-    slurm = functools.lru_cache(maxsize=None)(lambda file: slurm_tests(Path(config.rootpath, file)))
+    root = Path(config.rootpath)
+    shared = frozenset().union(*(_module_fixtures(f) for f in [*root.glob("tests/**/conftest.py"),
+                                                                *root.glob("tests/helpers/*.py")]))
+    slurm = functools.lru_cache(maxsize=None)(lambda file: slurm_tests(root / file))
+    bound = functools.lru_cache(maxsize=None)(lambda file: shares_a_fixture(root / file, shared))
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file, _, rest = nodeid.partition("::")
             if file.startswith("tests/cluster/") and rest.split("[")[0] in slurm(file):
                 return "slurm"
-            return file
+            return file if bound(file) else nodeid
 
-    config.option.loadscopereorder = False  # collection order: tests/cluster/ comes first
+        def _assign_work_unit(self, node) -> None:
+            # the next unit: the first of the earliest kind (Slurm, modules with a shared fixture, single tests)
+            first = min(self.workqueue, key=lambda scope: 0 if scope == "slurm" else 1 if "::" not in scope else 2)
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    config.option.loadscopereorder = False  # collection order within each kind
     return TierScheduling(config, log)
 
 
