@@ -42,6 +42,12 @@ def test_ddp_is_built_without_the_broadcast_buffers_deprecation() -> None:
         with sync(True):
             ddp(torch.ones(2, 4)).sum().backward()
         assert ddp.module.lin.weight.grad is not None
+        # DDP goes while the group is still registered: a Reducer that holds a gloo group's last reference destroys
+        # it holding the GIL, and right after a backward gloo's worker thread still needs the GIL to let go of the
+        # all-reduce it ran, so the two wait for each other (torch's pybind binding of the Reducer; seen as a hang
+        # of a later test in this process when the garbage collector freed it: CI-16). Freed here, before
+        # destroy_process_group, the group's own Python object destroys it with the GIL released.
+        del ddp, sync
     finally:
         dist.destroy_process_group()
 
