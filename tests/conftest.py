@@ -94,9 +94,13 @@ def slurm_tests(path: Path) -> frozenset[str]:
 def _module_fixtures(path: Path) -> frozenset[str]:
     """Names of the fixtures a file defines with a scope wider than one test."""
     import ast
-    return frozenset(n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
-                     and _decorated(n, "fixture") and any(f'scope="{w}"' in " ".join(map(ast.unparse, n.decorator_list))
-                                                         for w in ("module", "class", "package")))
+
+    def wide(decorator) -> bool:
+        return isinstance(decorator, ast.Call) and "fixture" in ast.unparse(decorator.func) and any(
+            k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value in ("module", "class", "package")
+            for k in decorator.keywords)
+    return frozenset(n.name for n in ast.parse(path.read_text()).body
+                     if isinstance(n, ast.FunctionDef) and any(wide(d) for d in n.decorator_list))
 
 
 def shares_a_fixture(path: Path, shared: frozenset[str]) -> bool:
