@@ -32,10 +32,11 @@ def run_worlds(script: str, name: str, ranks: list[int], argv: list[str]) -> dic
     return worlds
 
 
-def write_results(name: str, doc: dict) -> Path:
-    """Writes results/<name> as indented JSON and says where."""
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / name
+def write_results(name: str, doc: dict, where: Path | None = None) -> Path:
+    """Writes results/<name> (or where/<name>) as indented JSON and says where."""
+    where = RESULTS if where is None else Path(where)
+    where.mkdir(exist_ok=True)
+    out = where / name
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"# wrote {out}", flush=True)
     return out

@@ -8,19 +8,24 @@ prediction (hpctrain.planner.activations).
 Each row builds the Trainer of one mode (its real wrapping: tensor and sequence parallel, FSDP's mixed precision,
 activation checkpointing) and runs one forward and the loss of one micro-batch under
 torch.autograd.graph.saved_tensors_hooks. Every tensor autograd packs is recorded once by its storage (a DTensor's
-local shard), in the block it was first saved in; parameters are left out. A 2-D low-precision saved tensor with a
-weight's shape is a weight copy (autocast's low-precision copy), counted apart from the activations. A checkpointed
+local shard), in the block it was first saved in; parameters are left out. A low-precision saved tensor with a
+weight's shape (1-D: a norm's) is a weight copy (autocast's low-precision copy, or the low-precision weight FSDP's
+mixed precision gathers), counted apart from the activations. A checkpointed
 block saves nothing through the hooks; what it keeps for its recompute is its input, recorded by a forward pre-hook.
 The figure per row is the bytes of block 0 per element of s*b*h (the micro-batch's tokens s*b, global, times
 model.dim h), comparable to Korthikanti et al.'s per-layer coefficients (34/t with tensor and sequence parallel and
 selective recompute). Bytes are counted: one round, deterministic.
 
-Rows: 1 rank: fp32 and bf16 autocast, GQA (2 KV heads of 8) and MHA, train.ac none and full. 2 ranks: tp=2 with
-and without sequence parallel, fp32 and bf16 autocast, ac none and full; bf16 parameters (FSDP's mixed precision,
-ZeRO-2, tp=1 dp=2). 4 ranks: the same at tp=4, and bf16 parameters with tp=2 dp=2.
+Rows: 1 rank: fp32 and bf16 autocast, GQA (2 KV heads of 8) and MHA, train.ac none and full (GQA also selective
+and op). 2 ranks: tp=2 with and without sequence parallel, fp32 and bf16 autocast, ac none and full, bf16 with ac
+selective and op; bf16 parameters (FSDP's mixed precision, ZeRO-2, tp=1 dp=2). 4 ranks: the same at tp=4, and bf16
+parameters with tp=2 dp=2. A selectively checkpointed block keeps its input and the outputs its policy caches (read
+from the policy's cache after the forward); under sequence parallel the attention's and MLP's own saved-tensor
+hooks (parallel.tensor.SequenceGather) hand ours what they keep: the shard in place of the gathered input.
 
 Targets (issue 28), one verdict each, fixed before any run: bf16 with sequence parallel (tp 2, 4), ac none: at
-most the formula + 5%; ac full: at most the sharded block input in bf16, 2/t, + 5%. Writes
+most the formula + 5%; ac full: at most the sharded block input in bf16, 2/t, + 5%; bf16 with ac selective and op:
+at most their documented count (formula(); benchmarks/README.md) + 5%. Writes
 benchmarks/results/activation_memory-<n>ranks.json; the driver benchmarks/results/activation_memory.json.
 """
 from __future__ import annotations
@@ -49,7 +54,7 @@ def rows_for(world: int) -> list[dict]:
     if world == 1:
         for prec in ("fp32", "bf16"):
             for kv in (KV, HEADS):
-                for ac in ("none", "full"):
+                for ac in ("none", "full", "selective", "op") if kv < HEADS else ("none", "full"):
                     rows.append({"name": f"tp1 {prec} {'gqa' if kv < HEADS else 'mha'} ac={ac}", "tp": 1, "sp": False,
                                  "precision": prec, "ac": ac, "kv": kv, "sets": [
                                      "parallel.tp=1", f"train.precision={prec}", f"model.n_kv_heads={kv}",
@@ -62,6 +67,12 @@ def rows_for(world: int) -> list[dict]:
                              "precision": prec, "ac": ac, "kv": max(KV, world), "sets": [
                                  f"parallel.tp={world}", f"parallel.sequence_parallel={str(sp).lower()}",
                                  f"train.precision={prec}", f"model.n_kv_heads={max(KV, world)}", f"train.ac={ac}"]})
+    for sp in (False, True):
+        for ac in ("selective", "op"):
+            rows.append({"name": f"tp{world} bf16{' sp' if sp else ''} ac={ac}", "tp": world, "sp": sp,
+                         "precision": "bf16", "ac": ac, "kv": max(KV, world), "sets": [
+                             f"parallel.tp={world}", f"parallel.sequence_parallel={str(sp).lower()}",
+                             "train.precision=bf16", f"model.n_kv_heads={max(KV, world)}", f"train.ac={ac}"]})
     tp = world // 2
     rows.append({"name": f"tp{tp} dp2 bf16 params (zero2)", "tp": tp, "sp": False, "precision": "bf16-params",
                  "ac": "none", "kv": max(KV, tp), "sets": [
@@ -80,6 +91,11 @@ def formula(row: dict) -> float:
     if row["ac"] == "full":
         return e / (t if sp else 1)
     g, f = row["kv"] / HEADS, FFN / DIM
+    if row["ac"] in ("selective", "op"):  # the block's input, the kept matmuls' outputs (the o and down
+        # projections' whole under tp), the attention output and log-sum-exp, the reductions' results under tp
+        mm = (1 + 2 * g + 2 * f) / t + 2 if row["ac"] == "selective" else (1 + g + f) / t + 1
+        reductions = 2 / (t if sp else 1) if t > 1 else 0
+        return e * (1 / (t if sp else 1) + mm + 1 / t + reductions) + 4 / (DIM // HEADS) / t
     sharded = (2 + 2 * g + 3 * f) * e + 4 / (DIM // HEADS)
     norms = 4 * e
     return sharded / t + norms / (t if sp else 1)
@@ -100,24 +116,40 @@ def measure(row: dict, run_root: str) -> dict:
         t = getattr(t, "_local_tensor", t)
         return getattr(t, "elem", t)
 
+    from hpctrain.parallel import recompute
+
     cfg = load_config(None, SHAPE + row["sets"] + [f"job.run_root={run_root}"])
+    caches: list = []  # (block, the selective checkpoint's cache) of each partially recomputed block's forward
+    real_contexts = recompute.sac_contexts
+
+    def capturing(mode: str):
+        contexts = real_contexts(mode)
+        caches.append((where[0], contexts[0].storage))
+        return contexts
+
+    recompute.sac_contexts = capturing
+    where = ["outside"]
     with session.start(cfg) as s:
         tr = Trainer(cfg, s)
         model = tr.pm.model
         params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
         params |= {local(b).untyped_storage().data_ptr() for b in model.buffers()}
         shapes = {tuple(local(p).shape) for p in model.parameters() if p.dim() == 2}
+        for p in model.parameters():  # FSDP's gathered weights: the whole weight, or its tp shard (norms: 1-D)
+            if p.dim() == 2:
+                shapes |= {tuple(p.shape), (p.shape[0] // row["tp"], p.shape[1]), (p.shape[0], p.shape[1] // row["tp"])}
+            elif p.dim() == 1:
+                shapes.add(tuple(p.shape))
         shapes |= {sh[::-1] for sh in shapes}
         found: dict[int, tuple[int, str, str]] = {}
         keep: list = []
-        where = ["outside"]
 
         def record(t, how: str) -> None:
             t = local(t)
             st = t.untyped_storage()
             if st.data_ptr() in params or st.data_ptr() in found:
                 return
-            copy = how == "saved" and t.dim() == 2 and tuple(t.shape) in shapes and t.dtype != torch.float32
+            copy = how == "saved" and tuple(t.shape) in shapes and t.dtype != torch.float32
             kind = "weight copy" if copy else how
             found[st.data_ptr()] = (st.nbytes(), where[0], kind)
             keep.append(st)
@@ -138,6 +170,15 @@ def measure(row: dict, run_root: str) -> dict:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(tr.device).flatten())
         for h in hooks:
             h.remove()
+        recompute.sac_contexts = real_contexts
+        for block, storage in caches:  # what selective checkpointing keeps: the outputs of the ops it saves
+            where[0] = block
+            for outputs in storage.values():
+                for value in outputs.values():
+                    for t in torch.utils._pytree.tree_leaves(value):
+                        t = getattr(t, "val", t)
+                        if isinstance(t, torch.Tensor):
+                            record(t, "kept by selective checkpointing")
         del loss, logits
         block0 = [v for v in found.values() if v[1] == "0"]
         act = sum(n for n, _, k in block0 if k != "weight copy")
@@ -146,8 +187,9 @@ def measure(row: dict, run_root: str) -> dict:
         mode = mode_of(cfg.train.precision, cfg.parallel.zero_stage, tr.plan.layout.dp)
         am = ActivationModel(mode, row["tp"], cfg.parallel.sequence_parallel)
         tokens = SEQ * BATCH
-        planned = am.input_bytes(dims, tokens) if row["ac"] == "full" else am.block_bytes(dims, tokens)
-        planned_copies = 0.0 if row["ac"] == "full" else am.weight_copy_bytes(dims, 1)
+        planned = {"full": am.input_bytes(dims, tokens), "none": am.block_bytes(dims, tokens)}.get(
+            row["ac"]) or am.partial_block_bytes(dims, tokens, row["ac"])
+        planned_copies = am.weight_copy_bytes(dims, 1) if row["ac"] == "none" else 0.0
         sbh = tokens * DIM
         return {"name": row["name"], "activation_bytes": act, "weight_copy_bytes": copies,
                 "per_sbh": act / sbh, "formula_per_sbh": formula(row),
@@ -155,13 +197,13 @@ def measure(row: dict, run_root: str) -> dict:
                 "kinds": sorted({k for _, _, k in block0})}
 
 
-def world_main(run_root: str) -> None:
+def world_main(run_root: str, out_dir: str | None = None) -> None:
     import torch.distributed as dist
     world = int(os.environ.get("PMI_SIZE") or os.environ.get("WORLD_SIZE") or 1)
     out = [measure(r, run_root) for r in rows_for(world)]
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("PMI_RANK", 0))
     if rank == 0:
-        write_results(f"activation_memory-{world}ranks.json", {"world": world, "rows": out})
+        write_results(f"activation_memory-{world}ranks.json", {"world": world, "rows": out}, out_dir)
 
 
 def driver(args) -> None:
@@ -176,7 +218,7 @@ def driver(args) -> None:
               f"{r['per_sbh'] / r['planner_per_sbh']:>6.3f} {r['weight_copy_bytes'] / 1e6:>8.2f}")
     verdicts = []
     for r in rows:
-        if " bf16 sp " in f" {r['name']} ":
+        if " bf16 sp " in f" {r['name']} " or (" bf16 " in r["name"] and r["name"].endswith(("=selective", "=op"))):
             verdicts.append(rule_verdict(
                 "activation_memory", f"{r['name']}: saved bytes per s*b*h / formula", [r["per_sbh"] /
                                                                                     r["formula_per_sbh"]],
@@ -192,8 +234,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", action="store_true", help="measure this world size's rows (under mpiexec)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-bench-runs")
+    ap.add_argument("--out", default=None, help="with --world: write the rows here, not in benchmarks/results")
     args = ap.parse_args()
-    world_main(args.run_root) if args.world else driver(args)
+    world_main(args.run_root, args.out) if args.world else driver(args)
 
 
 if __name__ == "__main__":

@@ -239,7 +239,7 @@ class TrainConfig:
     # error naming the step, and none of them is checkpointed. Above what fp16 skips while its loss scale comes
     # down at start-up: at most log2(train.loss_scale) steps, 16 from 65536 (checked below)
     max_nonfinite_steps: int = 50
-    ac: str = "none"  # activation checkpointing: none | full | every
+    ac: str = "none"  # activation checkpointing: none | full | every | selective | op (hpctrain/parallel/recompute.py)
     ac_every: int = 2  # with ac = "every": checkpoint blocks 0, k, 2k, ...
     log_every: int = 10  # steps between logged steps (progress line, straggler report); the first and last too
     profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
@@ -275,7 +275,7 @@ class TrainConfig:
                f"start-up; give more than {startup}")
         one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
         one_of("train", "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
-        one_of("train", "ac", self.ac, ("none", "full", "every"))
+        one_of("train", "ac", self.ac, ("none", "full", "every", "selective", "op"))
         check(len(self.profile_steps) in (0, 2) and (not self.profile_steps or
                                                       0 <= self.profile_steps[0] <= self.profile_steps[1]),
                f"train.profile_steps = {self.profile_steps} must be [] or [first, last] with first <= last")

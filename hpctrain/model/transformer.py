@@ -25,6 +25,33 @@ from hpctrain.model.dims import ModelDims
 __all__ = ["ModelDims", "Transformer", "clean_name", "init_slice", "init_value"]
 
 
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm keeping only its input and the per-token 1/rms for backward (autograd would also keep the normalised
+    tensor, one more activation of the model's width), and giving its output in `out_dtype` (autocast's compute
+    dtype: the matmuls that read it then share one copy instead of each casting its own). The forward's values are
+    the module's before this function, bit for bit; the backward is the closed form of the same function."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None) -> torch.Tensor:
+        xf = x.float()  # normalise in fp32 even under bf16: the mean of squares loses precision in low precision
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        y = (xf * rstd).type_as(x) * weight
+        return y if out_dtype is None else y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.float() * rstd  # the normalised input, again
+        g = grad.float()
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (g * n.type_as(x).float()).sum(tuple(range(g.dim() - 1))).to(weight.dtype)
+        gn = g * weight.float()
+        grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w, None, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -32,10 +59,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 even under bf16 autocast: the mean of squares loses precision in low precision
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return _RMSNorm.apply(x, self.weight, self.eps, out_dtype)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +185,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the residual stream in the compute dtype, as every activation
+            x = x.to(torch.get_autocast_dtype(device))
         for block in self.layers.values():
             x = block(x, self.rope_cos, self.rope_sin)
         x = self.norm(x) if self.norm is not None else x

@@ -94,7 +94,9 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     if stages:
         pipeline.prune(model, stages, pp_rank)
     if tp > 1:
-        tensor.apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel)
+        keys = list(model.layers)
+        recomputed = [keys[i] for i in recompute.recomputed_blocks(len(keys), cfg.train.ac, cfg.train.ac_every)]
+        tensor.apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel, recomputed)
     recompute.apply_ac(model, cfg.train.ac, cfg.train.ac_every)
     parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     if zero in (2, 3):

@@ -36,7 +36,10 @@ def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.
     reshard_after_forward), ZeRO-2 keeps them. Under pipeline parallel each stage module is a root (it holds the
     embedding, norm and output of its stage)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # forward inputs are not cast: a block's input is already in the compute dtype (the embedding's weights are),
+    # and the rotary tables a block is handed stay fp32 (cast, every block kept a bf16 copy, and positions lost
+    # precision: bf16 holds 3 digits of a cosine)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     reshard = reshard_after_forward(zero_stage, pp)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

@@ -1,17 +1,25 @@
 """Tensor parallelism (Megatron's split, on DTensor): column-parallel q/k/v and gate/up, row-parallel o/down, a
-vocab-parallel embedding and output, optionally sequence-parallel norms; on the node-local tp mesh."""
+vocab-parallel embedding and output, optionally sequence-parallel norms; on the node-local tp mesh.
+
+With sequence parallel each block gathers its norms' sequence-sharded outputs before the column-parallel
+projections. The projections' backward needs that gathered input; as Megatron does, a block that is not recomputed
+keeps it as the shard it was gathered from and gathers it again in backward (SequenceGather: saved-tensor hooks
+around the attention and MLP), so nothing of the model's width is kept whole across the step.
+"""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hpctrain.model.transformer import Transformer
 
 
 def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
-    """Column-parallel q/k/v and gate/up, row-parallel o/down; norms sequence-parallel when asked."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    """Column-parallel q/k/v and gate/up, row-parallel o/down; norms sequence-parallel when asked (the gathers
+    before attention and MLP: SequenceGather)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         f"{block_prefix}.attention.wq": ColwiseParallel(),
@@ -25,15 +33,87 @@ def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
     if sequence_parallel:
         plan[f"{block_prefix}.attention_norm"] = SequenceParallel()
         plan[f"{block_prefix}.ffn_norm"] = SequenceParallel()
-        plan[f"{block_prefix}.attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
-        plan[f"{block_prefix}.feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
 
 
-def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Vocab-parallel embedding and output, and the per-block plan, on the node-local tp mesh."""
+class SequenceGather:
+    """The input gather of a sequence-parallel attention or MLP (a forward pre-hook: the norm's output, sharded
+    along the sequence, gathered whole; its backward reduce-scatters the gradient), and, with keep_shard, saved-tensor
+    hooks over the module's forward that keep what autograd saves of the gathered tensor (the column-parallel
+    projections' input) as the shard, gathered again once in backward for all the projections that read it. Hooks
+    already in force outside (a memory count, an offload to host memory) still see every tensor: ours hand them
+    what they keep, the shard in place of the gathered input."""
+
+    def __init__(self, module: torch.nn.Module, keep_shard: bool) -> None:
+        self.keep_shard, self.hooks = keep_shard, None
+        module.register_forward_pre_hook(self.gather)
+        if keep_shard:
+            module.register_forward_hook(self.done, always_call=True)
+
+    def gather(self, module: torch.nn.Module, args: tuple) -> tuple:
+        shard, *rest = args
+        full = shard.redistribute(placements=[Replicate()])
+        if self.keep_shard and torch.is_grad_enabled():
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            holder = _Regather(shard.detach(), full._local_tensor.untyped_storage().data_ptr(), outer)
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(holder.pack, holder.unpack)
+            self.hooks.__enter__()
+        return (full, *rest)
+
+    def done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.hooks is not None:
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
+
+
+class _Outer:
+    """A saved tensor as the hooks outside packed it, with their unpack."""
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, hooks: tuple, t: torch.Tensor) -> None:
+        self.packed, self.unpack = hooks[0](t), hooks[1]
+
+    def get(self) -> torch.Tensor:
+        return self.unpack(self.packed)
+
+
+class _Regather:
+    """One forward's gathered input: what autograd saves of it (views of its storage) is kept as a view description
+    beside the shard; the first unpack in backward gathers the shard again, the last lets the gathered copy go.
+    Other saved tensors pass through the outer hooks (if any) unchanged."""
+
+    def __init__(self, shard: DTensor, storage: int, outer: tuple | None) -> None:
+        self.storage, self.outer, self.full, self.packed, self.unpacked = storage, outer, None, 0, 0
+        self.shard = shard if outer is None else _Outer(outer, shard)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else None
+        if local is None or local.untyped_storage().data_ptr() != self.storage:
+            return t if self.outer is None else _Outer(self.outer, t)
+        self.packed += 1
+        return (t._spec, local.shape, local.stride(), local.storage_offset(), t.shape, t.stride())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Outer):
+            return packed.get()
+        if not isinstance(packed, tuple):
+            return packed
+        spec, shape, stride, offset, gshape, gstride = packed
+        if self.full is None:
+            shard = self.shard.get() if isinstance(self.shard, _Outer) else self.shard
+            self.full = shard.redistribute(placements=[Replicate()])._local_tensor
+        local = self.full.as_strided(shape, stride, offset)
+        self.unpacked += 1
+        if self.unpacked == self.packed:
+            self.full = None
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=gshape, stride=gstride)
+
+
+def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
+             recomputed: Collection[str] = ()) -> None:
+    """Vocab-parallel embedding and output, and the per-block plan, on the node-local tp mesh. `recomputed`: the
+    keys of the blocks activation checkpointing will recompute (they keep only their input; the others keep the
+    sequence-sharded inputs of their projections: SequenceGather)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {}
@@ -47,5 +127,9 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel
     for i in model.layers:
         plan.update(tp_plan(f"layers.{i}", sequence_parallel))
     parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:
+        for key, block in model.layers.items():
+            SequenceGather(block.attention, keep_shard=key not in recomputed)
+            SequenceGather(block.feed_forward, keep_shard=key not in recomputed)
     if model.dims.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # both vocab-sharded as Shard(0): one parameter

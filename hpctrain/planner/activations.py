@@ -1,40 +1,44 @@
 """Activation memory: the bytes autograd keeps from a micro-batch's forward for its backward, for hpctrain's block
-(hpctrain.model.transformer: RMSNorm, rotary q/k, scaled_dot_product_attention with a flash kernel, SwiGLU), per
-token and per block, by precision mode. Counted from the tensors autograd saves in our own model (distinct storages, the
-parameters left out) and written here as tensor counts, so they scale to any size:
+(hpctrain.model.transformer: RMSNorm keeping its input, rotary q/k, scaled_dot_product_attention with a flash
+kernel, SwiGLU keeping gate and up), per token and per block, by precision mode. Counted from the tensors autograd
+saves in our own model (distinct storages, the parameters left out; benchmarks/activation_memory.py) and written
+here as tensor counts, so they scale to any size. Every activation is kept in the compute dtype (e bytes: 4 in
+fp32, 2 in bf16/fp16; the residual stream too), and per block and token the block keeps:
 
-                     per block and token, as tensors of width ...              per block, independent of tokens
-    mode             h (dim)            q (heads*hd) kv   heads  f (ffn)  1
-    fp32             6 fp32             2 fp32       2    1 fp32 3 fp32   2 fp32
-    autocast (bf16)  4 fp32 + 5 bf16    2 bf16       2    1 fp32 3 bf16   2 fp32   a bf16 copy of every weight
-    fsdp (bf16)      2 fp32 + 4 bf16    2 bf16       2    1 fp32 3 bf16   2 fp32
-"autocast" is mixed precision by torch.autocast (ZeRO 0-1: fp32 weights, low-precision matmuls, one low-precision
-copy of each weight cached per forward and kept for backward); "fsdp" is FSDP2's MixedPrecisionPolicy (ZeRO 2-3:
-the weights themselves are low precision in forward). Residual stream and norm inputs ("h") stay full under tensor
-parallel unless sequence parallel shards them along the sequence; the attention and MLP inner widths (q, kv,
-heads, f) split over tp. Full activation checkpointing keeps only each block's input, plus one block's full set
-while it is recomputed in backward; "every" checkpoints every k-th block.
+    width h (dim)        4: the block's input and the residual after attention (the norms' inputs), the two norms'
+                            outputs (the projections' input)
+    q (heads x hd)       2: the rotated queries, the attention's output
+    kv (kv heads x hd)   2: the rotated keys, the values
+    f (ffn)              3: gate, up, and the MLP's product (the down projection's input)
+    + 4 bytes per head (the attention kernel's log-sum-exp) and 8 bytes (the norms' 1/rms, fp32)
 
-Outside the blocks, per micro-batch: the token ids (int64), the final norm and the output projection's input (as a
-block's norm), and the logits' log-softmax in fp32 (tokens x vocab / tp), plus the low-precision logits under
-autocast.
+The h-wide tensors and the 1/rms split over tp with sequence parallel (the projections' input is kept as its
+sequence shard and gathered again in backward: parallel.tensor.SequenceGather) and stay whole without it; q, kv,
+heads and f split over tp. Modes: "autocast" is mixed precision by torch.autocast (ZeRO 0-1: fp32 weights,
+low-precision matmuls, one low-precision copy of each weight cached per forward and kept for backward: the place of
+Megatron's bf16 weights beside its fp32 master copy); "fsdp" is FSDP2's MixedPrecisionPolicy (ZeRO 2-3: the
+weights themselves are low precision in forward). Full activation checkpointing keeps only each block's input, plus
+one block's full set while it is recomputed in backward; "every" checkpoints every k-th block. The partial modes
+(hpctrain.parallel.recompute: "selective", "op") keep, per block and token, the block's input (h), the outputs of
+the matmuls they keep (q, k, v, gate and up: their widths; the o and down projections': h, whole under tp, as a
+matmul's output is before its reduction), the attention kernel's output (q) and log-sum-exp, and under tp the
+reductions' results (h, a sequence shard with sequence parallel); "op" keeps the 1st, 3rd, 5th and 7th matmul of
+the block's seven (q, v, gate, down), "selective" all seven.
+
+Outside the blocks, per micro-batch: the token ids (int64), the final norm's input and 1/rms, the output
+projection's input (whole: gathered under sequence parallel), and the logits' log-softmax in fp32 (tokens x vocab
+/ tp).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from hpctrain.model.dims import ModelDims
-from hpctrain.parallel.recompute import recomputed_blocks
+from hpctrain.parallel.recompute import PARTIAL, recomputed_blocks
 
-# bytes per token per block: (h_sharded_by_sp, h_always_full, q, kv, heads, f, one) and per-weight bytes
-MODES = {
-    "fp32": ((4 + 4 + 4 + 4, 4 + 4), 4 + 4, 4 + 4, 4, 4 + 4 + 4, 4 + 4, 0),
-    "autocast": ((4 + 4 + 4 + 4, 2 * 5), 2 + 2, 2 + 2, 4, 2 * 3, 4 + 4, 2),
-    "fsdp": ((4 + 4, 2 * 4), 2 + 2, 2 + 2, 4, 2 * 3, 4 + 4, 0),
-}
-
-# outside the blocks, bytes per token per dim: the final norm's saved tensors, the output projection's input
-HEAD = {"fp32": (4 + 4, 4), "autocast": (4 + 4, 2), "fsdp": (4 + 2, 2)}
+# per mode: bytes per element of an activation, bytes per weight of autocast's low-precision copy
+MODES = {"fp32": (4, 0), "autocast": (2, 2), "fsdp": (2, 0)}
+H, Q, KV, F, PER_HEAD, ONE = 4, 2, 2, 3, 4, 8  # tensors of each width kept per block and token (above); bytes
 
 
 @dataclass(frozen=True)
@@ -45,47 +49,57 @@ class ActivationModel:
 
     def block_bytes(self, dims: ModelDims, tokens: int) -> float:
         """Bytes one block keeps for backward from `tokens` tokens (a micro-batch's sequence x batch)."""
-        (h_seq, h_full), q, kv, heads, f, one, per_weight = MODES[self.mode]
+        e, per_weight = MODES[self.mode]
         hd, tp = dims.head_dim, self.tp
         seq_split = tp if self.sequence_parallel else 1
-        per_token = (h_seq * dims.dim + one) / seq_split + h_full * dims.dim + (
-            q * dims.n_heads * hd + kv * dims.n_kv_heads * hd + heads * dims.n_heads + f * dims.ffn_dim) / tp
+        per_token = (H * e * dims.dim + ONE) / seq_split + (
+            Q * e * dims.n_heads * hd + KV * e * dims.n_kv_heads * hd + PER_HEAD * dims.n_heads
+            + F * e * dims.ffn_dim) / tp
         weights = 2 * dims.n_heads * hd * dims.dim + 2 * dims.n_kv_heads * hd * dims.dim + 3 * dims.dim * dims.ffn_dim
         return tokens * per_token + per_weight * weights / tp
+
+    def partial_block_bytes(self, dims: ModelDims, tokens: int, ac: str) -> float:
+        """Bytes one block keeps under train.ac = "selective" or "op" (module docstring)."""
+        e = MODES[self.mode][0]
+        hd, tp = dims.head_dim, self.tp
+        seq_split = tp if self.sequence_parallel else 1
+        q, kv, f = dims.n_heads * hd / tp, dims.n_kv_heads * hd / tp, dims.ffn_dim / tp
+        mm = (q + 2 * kv + 2 * f + 2 * dims.dim) if ac == "selective" else (q + kv + f + dims.dim)
+        reductions = 2 * dims.dim / seq_split if tp > 1 else 0.0
+        return tokens * (e * (dims.dim / seq_split + mm + q + reductions) + PER_HEAD * dims.n_heads / tp)
 
     def weight_copy_bytes(self, dims: ModelDims, blocks: int, head: bool = False) -> float:
         """Autocast's low-precision copies of the weights of `blocks` blocks (and the output projection's with the
         head), part of block_bytes and head_bytes: cached once per autocast region, however many micro-batches
         it runs (a pipeline schedule runs them all in one)."""
-        if self.mode != "autocast":
+        per_weight = MODES[self.mode][1]
+        if not per_weight:
             return 0.0
-        per_weight = MODES[self.mode][-1]
         weights = (2 * dims.n_heads * dims.head_dim * dims.dim + 2 * dims.n_kv_heads * dims.head_dim * dims.dim
                    + 3 * dims.dim * dims.ffn_dim)
         return per_weight * (blocks * weights + (dims.vocab_size * dims.dim if head else 0)) / self.tp
 
     def input_bytes(self, dims: ModelDims, tokens: int) -> float:
-        """What a checkpointed block keeps: its input (the residual stream, fp32 unless FSDP casts it)."""
-        width = 2 if self.mode == "fsdp" else 4
-        return tokens * width * dims.dim / (self.tp if self.sequence_parallel else 1)
+        """What a checkpointed block keeps: its input (the residual stream, in the compute dtype)."""
+        return tokens * MODES[self.mode][0] * dims.dim / (self.tp if self.sequence_parallel else 1)
 
     def head_bytes(self, dims: ModelDims, tokens: int, embedding: bool = True, head: bool = True) -> float:
-        """Outside the blocks: token ids (with the embedding); with the head, the final norm, the output
-        projection's input, the fp32 log-softmax of the logits (vocab / tp wide), and under autocast the output
-        weight's low-precision copy."""
+        """Outside the blocks: token ids (with the embedding); with the head, the final norm's input and 1/rms, the
+        output projection's input, the fp32 log-softmax of the logits (vocab / tp wide), and under autocast the
+        output weight's low-precision copy."""
         out = 8.0 * tokens if embedding else 0.0
         if head:
-            norm, proj_in = HEAD[self.mode]
+            e, per_weight = MODES[self.mode]
             seq_split = self.tp if self.sequence_parallel else 1
-            out += tokens * ((norm * dims.dim + 4) / seq_split + proj_in * dims.dim + 4 * dims.vocab_size / self.tp)
-            if self.mode == "autocast":
-                out += 2 * dims.vocab_size * dims.dim / self.tp
+            out += tokens * ((e * dims.dim + 4) / seq_split + e * dims.dim + 4 * dims.vocab_size / self.tp)
+            out += per_weight * dims.vocab_size * dims.dim / self.tp
         return out
 
     @staticmethod
     def checkpointed(blocks: int, ac: str, ac_every: int = 1) -> int:
-        """How many of `blocks` blocks keep only their input (train.ac, train.ac_every): the blocks the model
-        wrapper recomputes (hpctrain.parallel.recompute.recomputed_blocks)."""
+        """How many of `blocks` blocks are checkpointed (train.ac, train.ac_every): the blocks the model wrapper
+        recomputes (hpctrain.parallel.recompute.recomputed_blocks); they keep only their input, or with the partial
+        modes partial_block_bytes."""
         return len(recomputed_blocks(blocks, ac, ac_every))
 
     def micro_batch_bytes(self, dims: ModelDims, tokens: int, blocks: int, ac: str = "none", ac_every: int = 1,
@@ -93,8 +107,8 @@ class ActivationModel:
         """One micro-batch's activations on a rank holding `blocks` blocks, at the end of its forward."""
         kept = self.checkpointed(blocks, ac, ac_every)
         full = blocks - kept
-        return (full * self.block_bytes(dims, tokens) + kept * self.input_bytes(dims, tokens)
-                + self.head_bytes(dims, tokens, embedding, head))
+        each = self.partial_block_bytes(dims, tokens, ac) if ac in PARTIAL else self.input_bytes(dims, tokens)
+        return full * self.block_bytes(dims, tokens) + kept * each + self.head_bytes(dims, tokens, embedding, head)
 
 
 def mode_of(precision: str, zero_stage: int, dp: int) -> str:

@@ -10,8 +10,10 @@ FLOPs per token (a token of one sequence of length s; d = dim, L = layers, V = v
   matmuls) + 12 L d s for attention scores and values (causal mask not discounted). A block's matmul weights are
   2 d (q + kv) + 3 d f for SwiGLU and 2 d (q + kv) + 2 d f for a 2-matrix GELU MLP.
 - hardware FLOPs add what recomputation runs again: "full" one more forward of every block (2 per block weight +
-  4 d s), "every" that on every k-th block (hpctrain's train.ac_every), "selective" the attention core's forward
-  only (4 d s per layer; Megatron's selective recompute); the logit layer is never recomputed.
+  4 d s), "every" that on every k-th block (hpctrain's train.ac_every), "selective" no matmul (hpctrain's: norms,
+  rotary and SwiGLU again), "op" the forward of every other matmul (k, o and the MLP's second: hpctrain's
+  train.ac = "op"), "attention-core" the attention core's forward only (4 d s per layer; Megatron's selective
+  recompute, for published runs); the logit layer is never recomputed.
   For a GPT block this reproduces Narayanan et al. 2021 eq. 3 (96 L d^2 + 16 L d s + 6 V d per token).
 Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-batches of b sequences):
 - compute = the stage's hardware FLOPs / (EFFICIENCY x dense peak of the precision's matmul dtype). The stage runs
@@ -64,7 +66,8 @@ EFFICIENCY = 0.54
 MATMUL_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8": "fp8"}  # precision -> dtype of its GEMMs
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # activations and gathered parameters (fp8: bf16 comm)
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
-RECOMPUTE = ("none", "selective", "full", "every")  # "every": hpctrain's train.ac = "every", blocks 0, k, 2k, ...
+# hpctrain's train.ac modes ("every": blocks 0, k, 2k, ...), and Megatron's selective recompute of published runs
+RECOMPUTE = ("none", "full", "every", "selective", "op", "attention-core")
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
 TP_PROJECTIONS = ("fused", "separate")  # see "tensor parallel" in the module docstring
 
@@ -113,7 +116,7 @@ def recomputed_share(n_layers: int, recompute: str, ac_every: int = 2) -> float:
         raise ValueError(f"recompute = {recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if ac_every < 1:
         raise ValueError(f"ac_every = {ac_every} must be >= 1")
-    whole = recompute if recompute in ("full", "every") else "none"  # "selective" recomputes no whole block
+    whole = recompute if recompute in ("full", "every") else "none"  # the others recompute no whole block
     return len(recomputed_blocks(n_layers, whole, ac_every)) / n_layers
 
 
@@ -121,7 +124,12 @@ def block_flops(shape: Shape, seq_len: int, recompute: str = "none", ac_every: i
     """FLOPs per token of one (average) block, recomputation included: hardware FLOPs; "none" gives model FLOPs."""
     attn = 4.0 * shape.dim * seq_len  # forward of QK^T and AV
     full = recomputed_share(shape.n_layers, recompute, ac_every)
-    extra = attn if recompute == "selective" else full * (2.0 * shape.block_weights() + attn)
+    extra = full * (2.0 * shape.block_weights() + attn)
+    if recompute == "attention-core":
+        extra = attn
+    elif recompute == "op":  # the 2nd, 4th and 6th of the block's matmuls: k, o, and up (SwiGLU) or down (GELU)
+        head_dim = shape.dim // shape.n_heads
+        extra = 2.0 * shape.dim * (shape.n_kv_heads * head_dim + shape.n_heads * head_dim + shape.ffn_dim)
     return 6.0 * shape.block_weights() + 3 * attn + extra
 
 

@@ -44,6 +44,11 @@ TWO = [
     # pipeline: 4 micro-batches of 2 per step, the reference's 8 sequences
     *[{"name": f"pp2_{sched}", "overrides": PP + [f"parallel.pp_schedule={sched}"]} for sched in ("gpipe", "1f1b")],
     {"name": "pp2_bf16", "overrides": PP + ["train.precision=bf16"]},
+    # partial recompute (train.ac selective, op): bitwise the same run as without
+    *[{"name": f"tp2_sp_{ac}", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.ac={ac}"]}
+      for ac in ("selective", "op")],
+    {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
+    {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
                                                                    "parallel.pp_virtual_stages=2"]}
       for sched in ("interleaved_1f1b", "zbv")],
@@ -79,6 +84,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case([], out / "ref.pt")
     run_case(["train.micro_batch_size=2", "train.grad_accum=4"], out / "accum4.pt")
     run_case(["train.ac=full"], out / "ac_full.pt")
+    run_case(["train.ac=selective"], out / "ac_selective.pt")
+    run_case(["train.ac=op"], out / "ac_op.pt")
     run_case(FOUR_LAYERS, out / "ref4.pt")
     run_case(["model.tie_embeddings=true"], out / "ref_tied.pt")
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
@@ -96,6 +103,19 @@ def results(tmp_path_factory) -> dict[str, dict]:
                                   "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+@pytest.mark.parametrize("case, twin", [("ac_selective", "ref"), ("ac_op", "ref"), ("tp2_sp_selective", "tp2_sp"),
+                                        ("tp2_sp_op", "tp2_sp"), ("dp2_zero3_op", "dp2_zero3"),
+                                        ("pp2_1f1b_selective", "pp2_1f1b")])
+def test_partial_recompute_changes_nothing(results, case, twin) -> None:
+    """train.ac = "selective" and "op" compute again in backward what they did not keep: the same values, so the
+    same run bit for bit as without recomputation, in one process and under tp with sequence parallel, ZeRO-3 and
+    a pipeline."""
+    got, ref = results[case], results[twin]
+    assert got["losses"] == ref["losses"] and got["grad_norms"] == ref["grad_norms"], (got["losses"], ref["losses"])
+    assert got["weights"].keys() == ref["weights"].keys()
+    assert all(torch.equal(got["weights"][k], ref["weights"][k]) for k in ref["weights"])
 
 
 def test_tied_embeddings_stay_one_matrix(results) -> None:

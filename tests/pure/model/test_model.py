@@ -137,3 +137,40 @@ def test_swiglu_keeps_two_tensors_and_gives_autograds_gradients_bit_for_bit() ->
         assert len(saved) == 2 and torch.equal(out, ref)
         for ours, theirs in zip(torch.autograd.grad(out, (gate, up), grad), ref_grads):
             assert torch.equal(ours, theirs), dtype
+
+
+def test_rmsnorm_keeps_its_input_and_gives_the_gradients_of_its_formula() -> None:
+    """RMSNorm saves its input, its weight and the per-token 1/rms (not the normalised tensor), gives the forward of
+    the plain ops bit for bit, and the gradients of the same formula through autograd: equal in fp32 to rounding,
+    in bf16 to bf16's rounding of the same values. Under autocast its output is in the compute dtype (the three
+    projections then share it instead of each casting a copy), and the residual stream is too."""
+    def plain(x, w, eps=1e-5):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        g = torch.Generator().manual_seed(1)
+        x, grad = (torch.randn(2, 16, 48, generator=g).to(dtype) for _ in range(2))
+        norm = model.RMSNorm(48, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(48, generator=g))
+        x.requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = norm(x)
+        assert torch.equal(out, plain(x, norm.weight))
+        assert sorted(tuple(t.shape) for t in saved) == [(2, 16, 1), (2, 16, 48), (48,)], [t.shape for t in saved]
+        ours = torch.autograd.grad(out, (x, norm.weight), grad)
+        theirs = torch.autograd.grad(plain(x, norm.weight), (x, norm.weight), grad)
+        for a, b in zip(ours, theirs):
+            assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (dtype, a, b)
+    dims = ModelDims(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=8,
+                     tie_embeddings=False)
+    m = model.Transformer(dims)
+    m.init_buffers()
+    seen = []
+    m.layers["0"].attention.wq.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    m.layers["0"].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.zeros(1, 8, dtype=torch.long))
+    assert seen == [torch.bfloat16, torch.bfloat16], seen  # the block's input, the projections' input

@@ -75,7 +75,7 @@ def test_plan_command(tmp_path) -> None:
 def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     runner = CliRunner()
     ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
-    assert ok.exit_code == 0 and "planner: memory per GPU: 63.27 GB of 80 GB (parameters 2.21" in ok.output, ok.output
+    assert ok.exit_code == 0 and "planner: memory per GPU: 62.38 GB of 80 GB (parameters 2.21" in ok.output, ok.output
     args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
     bad = runner.invoke(cli, args)
     assert bad.exit_code == 2 and "does not fit on a100-40g: 202.1 GB per GPU predicted of 40 GB (parameters 35.3" \
@@ -83,7 +83,7 @@ def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     forced = runner.invoke(cli, args + ["--no-memory-check"])
     assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
     named = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run"])  # the example names its GPU
-    assert named.exit_code == 0 and "planner: memory per GPU: 63.27 GB of 80 GB" in named.output, named.output
+    assert named.exit_code == 0 and "planner: memory per GPU: 62.38 GB of 80 GB" in named.output, named.output
     unnamed = runner.invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "gpu-4x8.toml"), "--dry-run"])
     assert unnamed.exit_code == 0 and "set job.gpu" in unnamed.output
     wrong = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100"])
