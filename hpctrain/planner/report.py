@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from hpctrain.parallel import mesh
 from hpctrain.parallel.plan import make_plan
 from hpctrain.planner import timing
+from hpctrain.planner.activations import ActivationModel, mode_of
 from hpctrain.planner.ckpt_cost import NODE_MTBF_H, checkpoint_bytes, checkpoint_cost
 from hpctrain.planner.memory import Coords, model_states, stage_shapes, tp_local, zero1_partition
 from hpctrain.planner.peak import peak
@@ -104,6 +105,15 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
                      f"not measured (the memory model counts {', '.join(MEASURED_SCHEDULES)}'s; zbv was seen 24% "
                      f"above it): take the memory prediction as a lower bound")
     fits = total <= hw.memory_gb * GB
+    t = cfg.train
+    am = ActivationModel(mode_of(t.precision, cfg.parallel.zero_stage, plan.layout.dp), plan.layout.tp,
+                         cfg.parallel.sequence_parallel)
+    tokens = plan.micro_batch * cfg.data.seq_len
+    recomputed = {"none": None, "full": am.input_bytes, "every": am.input_bytes}.get(
+        t.ac, lambda d, n: am.partial_block_bytes(d, n, t.ac))
+    per_layer = {  # one layer, one micro-batch, in bytes: kept whole, and as train.ac keeps a recomputed layer
+        "kept": am.block_bytes(plan.dims, tokens) - am.weight_copy_bytes(plan.dims, 1),
+        "recomputed": None if recomputed is None else recomputed(plan.dims, tokens)}
     if not fits:
         notes.append(f"does not fit: {total / GB:.1f} GB per GPU predicted (peak {worst['peak'] / GB:.1f} at the "
                      f"{worst['phase']} of pipeline rank {worst['pp_rank']}: model states {states['total'] / GB:.1f}, "
@@ -117,7 +127,8 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
         "memory_gb_per_gpu": total / GB, "model_states_gb": {k: v / GB for k, v in states.items()},
-        "activations_gb": acts / GB, "peak_gb": worst["peak"] / GB, "peak_phase": worst["phase"],
+        "activations_gb": acts / GB, "activation_bytes_per_layer": per_layer, "peak_gb": worst["peak"] / GB,
+        "peak_phase": worst["phase"],
         "peak_pp_rank": worst["pp_rank"], "memory_margin": MARGIN, "gpu_memory_gb": hw.memory_gb, "fits": fits,
         "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
         "model_tflops_per_gpu": est.model_tflops_per_gpu, "hardware_tflops_per_gpu": est.hardware_tflops_per_gpu,

@@ -110,3 +110,19 @@ def test_unmeasured_schedule_is_named_as_a_lower_bound() -> None:
                                 "parallel.zero_stage=2"])
         notes = evaluate(cfg, profile("h100-sxm"), 5.0)["notes"]
         assert any(f"parallel.pp_schedule = {schedule!r}" in n and "lower bound" in n for n in notes) == said
+
+
+def test_activation_bytes_per_layer_follow_train_ac() -> None:
+    """--json's activation_bytes_per_layer: what one layer keeps of one micro-batch, whole and as train.ac keeps a
+    recomputed layer (its input; the partial modes more; none: no recomputed layer). The 70B example: s = 8192,
+    b = 1, h = 8192, tp = 8 without sequence parallel, bf16 weights through FSDP."""
+    hw = profile("h100-sxm")
+    sbh = 8192 * 1 * 8192
+    got = {ac: evaluate(load_config(LLAMA, [f"train.ac={ac}"]), hw, 5.0)["activation_bytes_per_layer"]
+           for ac in ("none", "full", "selective", "op")}
+    assert got["none"]["recomputed"] is None and got["full"]["recomputed"] == 2 * sbh  # the bf16 input, whole
+    assert len({g["kept"] for g in got.values()}) == 1
+    kept = got["none"]["kept"]
+    assert got["full"]["recomputed"] < got["op"]["recomputed"] < got["selective"]["recomputed"]
+    # without sequence parallel the four h-wide tensors stay whole: 8 of the kept bytes per s*b*h, the rest / tp
+    assert kept == pytest.approx(sbh * (8 + 2 * (2 + 2 * 1 / 8 + 3 * 28672 / 8192) / 8) + 8192 * (8 + 4 * 64 / 8))
