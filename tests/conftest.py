@@ -58,14 +58,15 @@ def slurm_cluster() -> None:
 
 # --- tests at once (`make test` runs pytest -n 3, pytest-xdist) ---------------------------------------------------
 # A serial run left this host idle half of its time: tests wait on Slurm's scheduler, a requeue's hold, a hang limit,
-# a launcher. Under xdist, units of work:
-# - the tests on the local Slurm cluster are one unit, run in order by one worker (three nodes; those tests wait for
-#   an idle queue), handed out first since it is the longest (the run's critical path: heavy units started beside
-#   it at once slowed it by half, CI-18);
+# a launcher. Under xdist, units of work, handed out in this order:
+# - the tests on the local Slurm cluster: one unit, run in order by one worker (three nodes; those tests wait for an
+#   idle queue), the longest and the run's critical path;
 # - every module with a module-scoped fixture of its own or a shared one (the training runs of many layouts that
-#   its tests compare, spawned once) is a unit, so the fixture runs once;
-# - every other test is a unit of its own (a module of many slow tests is spread over the workers: CI-15's
-#   test_faults_ckpt.py, 230 s, ran on one worker); these and the modules go out in collection order.
+#   its tests compare, spawned once): a unit each, so the fixture runs once;
+# - every other test, a unit of its own (a module of many slow tests is spread over the workers: CI-15's
+#   test_faults_ckpt.py, 230 s, ran on one worker).
+# Measured on fresh clones: this order 15:49 of pytest (CI-18); the heavy modules in collection order instead, so
+# that they start after the Slurm unit's busiest minutes, 16:56 (CI-19: they were the last to end).
 # A test marked `alone` judges speeds measured on this host (the doctor's verdicts, stragglers): it waits until the
 # other workers' tests have ended, and no test starts beside it. Every test takes a lock on the run's lock file,
 # shared or (alone) exclusive, after passing a gate that an alone test holds while it waits, so it is never starved.
@@ -132,8 +133,9 @@ def pytest_xdist_make_scheduler(config, log):
             return file if bound(file) else nodeid
 
         def _assign_work_unit(self, node) -> None:
-            if "slurm" in self.workqueue:  # the longest unit first; the others in collection order
-                self.workqueue.move_to_end("slurm", last=False)
+            # the next unit: the first of the earliest kind (Slurm, modules with a shared fixture, single tests)
+            first = min(self.workqueue, key=lambda scope: 0 if scope == "slurm" else 1 if "::" not in scope else 2)
+            self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
     config.option.loadscopereorder = False  # collection order within each kind

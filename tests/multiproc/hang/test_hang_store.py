@@ -281,4 +281,4 @@ def test_a_store_call_in_flight_as_the_job_ends_does_not_abort_the_rank(tmp_path
     assert "terminate called" not in rank.stderr, rank.stderr
     assert rank.returncode == 0 and "stopped" in rank.stdout, rank.stdout + rank.stderr
     record("a rank's watchdog inside a store call when rank 0's process (the store's server) exits at the job's end",
-           "the rank waits for the call at stop and exits 0; it aborted in C++ as Python finalised")
+           "the rank waits for the call at stop and exits 0; it aborted in C++ as Python finalised", tier="multiproc")
