@@ -54,7 +54,8 @@ class SequenceGather:
         shard, *rest = args
         full = shard.redistribute(placements=[Replicate()])
         if self.keep_shard and torch.is_grad_enabled():
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch's own, private
+            outer = top(False) if top is not None else None
             holder = _Regather(shard.detach(), full._local_tensor.untyped_storage().data_ptr(), outer)
             self.hooks = torch.autograd.graph.saved_tensors_hooks(holder.pack, holder.unpack)
             self.hooks.__enter__()
