@@ -16,12 +16,13 @@ The figure per row is the bytes of block 0 per element of s*b*h (the micro-batch
 model.dim h), comparable to Korthikanti et al.'s per-layer coefficients (34/t with tensor and sequence parallel and
 selective recompute). Bytes are counted: one round, deterministic.
 
-Rows: 1 rank: fp32 and bf16 autocast, GQA (2 KV heads of 8) and MHA, train.ac none and full (GQA also selective
-and op). 2 ranks: tp=2 with and without sequence parallel, fp32 and bf16 autocast, ac none and full, bf16 with ac
-selective and op; bf16 parameters (FSDP's mixed precision, ZeRO-2, tp=1 dp=2). 4 ranks: the same at tp=4, and bf16
-parameters with tp=2 dp=2. A selectively checkpointed block keeps its input and the outputs its policy caches (read
-from the policy's cache after the forward); under sequence parallel the attention's and MLP's own saved-tensor
-hooks (parallel.tensor.SequenceGather) hand ours what they keep: the shard in place of the gathered input.
+Rows: 1 rank: fp32 and bf16 autocast, GQA (2 KV heads of 8) and MHA, train.ac none and full (GQA also selective and
+op). 2 ranks: tp=2 with and without sequence parallel, fp32 and bf16 autocast, ac none and full, bf16 with ac
+selective and op, GPT's GeLU MLP (bf16, sequence parallel, ac none, selective, op); bf16 parameters (FSDP's mixed
+precision, ZeRO-2, tp=1 dp=2). 4 ranks: the same at tp=4, and bf16 parameters with tp=2 dp=2. A selectively
+checkpointed block keeps its input and the outputs its policy caches (read from the policy's cache after the
+forward); under sequence parallel the attention's and MLP's own saved-tensor hooks (parallel.tensor.SequenceGather)
+hand ours what they keep: the shard in place of the gathered input.
 
 Targets (issue 28), one verdict each, fixed before any run: bf16 with sequence parallel (tp 2, 4), ac none: at
 most the formula + 5%; ac full: at most the sharded block input in bf16, 2/t, + 5%; bf16 with ac selective and op:
@@ -73,6 +74,13 @@ def rows_for(world: int) -> list[dict]:
                          "precision": "bf16", "ac": ac, "kv": max(KV, world), "sets": [
                              f"parallel.tp={world}", f"parallel.sequence_parallel={str(sp).lower()}",
                              "train.precision=bf16", f"model.n_kv_heads={max(KV, world)}", f"train.ac={ac}"]})
+    if world == 2:  # GPT's two-matrix GeLU MLP (model.mlp = "gelu", ffn 4 x dim)
+        for ac in ("none", "selective", "op"):
+            rows.append({"name": f"tp2 bf16 sp gelu ac={ac}", "tp": 2, "sp": True, "precision": "bf16", "ac": ac,
+                         "kv": KV, "mlp": "gelu", "sets": [
+                             "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+                             f"model.n_kv_heads={KV}", f"train.ac={ac}", "model.mlp=gelu",
+                             f"model.ffn_dim={4 * DIM}"]})
     tp = world // 2
     rows.append({"name": f"tp{tp} dp2 bf16 params (zero2)", "tp": tp, "sp": False, "precision": "bf16-params",
                  "ac": "none", "kv": max(KV, tp), "sets": [
@@ -84,19 +92,25 @@ def rows_for(world: int) -> list[dict]:
 def formula(row: dict) -> float:
     """Bytes per element of s*b*h of one block, the published-style accounting for our block (benchmarks/README.md):
     e (6 + 2g + 3f) / t + 4 / head_dim / t with sequence parallel (e = 2 in bf16, 4 in fp32; g = KV heads / heads;
-    f = ffn / dim; the last term the attention kernel's fp32 log-sum-exp); without sequence parallel the norms'
-    input and output (4e) stay whole; full recompute keeps only the block input, e / t (e / 1 without sp)."""
+    f = ffn / dim; the last term the attention kernel's fp32 log-sum-exp; a GeLU MLP keeps 2f, its input and
+    output, in place of SwiGLU's 3f); without sequence parallel the norms' input and output (4e) stay whole; full
+    recompute keeps only the block input, e / t (e / 1 without sp)."""
     e = 4 if row["precision"] == "fp32" else 2
     t, sp = row["tp"], row["sp"] or row["tp"] == 1
     if row["ac"] == "full":
         return e / (t if sp else 1)
-    g, f = row["kv"] / HEADS, FFN / DIM
+    gelu = row.get("mlp") == "gelu"
+    g, f = row["kv"] / HEADS, (4 * DIM if gelu else FFN) / DIM
     if row["ac"] in ("selective", "op"):  # the block's input, the kept matmuls' outputs (the o and down
-        # projections' whole under tp), the attention output and log-sum-exp, the reductions' results under tp
-        mm = (1 + 2 * g + 2 * f) / t + 2 if row["ac"] == "selective" else (1 + g + f) / t + 1
+        # projections' whole under tp), the attention output and log-sum-exp, the reductions' results under tp;
+        # op: the odd-numbered matmuls, q, v, gate, down (GeLU, six matmuls: q, v, up)
+        if row["ac"] == "selective":
+            mm = (1 + 2 * g + (1 if gelu else 2) * f) / t + 2
+        else:
+            mm = (1 + g + f) / t + (0 if gelu else 1)
         reductions = 2 / (t if sp else 1) if t > 1 else 0
         return e * (1 / (t if sp else 1) + mm + 1 / t + reductions) + 4 / (DIM // HEADS) / t
-    sharded = (2 + 2 * g + 3 * f) * e + 4 / (DIM // HEADS)
+    sharded = (2 + 2 * g + (2 if gelu else 3) * f) * e + 4 / (DIM // HEADS)
     norms = 4 * e
     return sharded / t + norms / (t if sp else 1)
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from hpctrain.model.transformer import clean_name
 
@@ -54,16 +55,26 @@ class OptimizerState(Stateful):
 
 
 class ZeroOneOptimizerState(Stateful):
-    """ZeRO-1 (ZeroRedundancyOptimizer): each rank saves the AdamW state of the parameters it owns, under the
+    """ZeRO-1 (hpctrain.train.optim.ZeroOne): each rank saves the AdamW state of the parameters it owns, under the
     same flat keys get_optimizer_state_dict gives a whole optimizer ("state.<fqn>.<key>",
-    "param_groups.<fqn>.<key>"), so a checkpoint moves between ZeRO-1 and every other layout."""
+    "param_groups.<fqn>.<key>"), so a checkpoint moves between ZeRO-1 and every other layout. The optimizer holds
+    the local shards of tensor-parallel parameters (zero.params_of maps each to its parameter): their moments are
+    saved as DTensors with the parameter's mesh and placements, as a plain optimizer's are."""
 
     def __init__(self, model: torch.nn.Module, zero) -> None:
         self.zero = zero
-        self.names = {p: clean_name(n) for n, p in model.named_parameters()}
+        names = {p: clean_name(n) for n, p in model.named_parameters()}
+        self.names = {held: names[p] for held, p in zero.params_of.items()}
 
-    def _owned(self) -> list[torch.nn.Parameter]:
+    def _owned(self) -> list[torch.Tensor]:
         return [p for g in self.zero.optim.param_groups for p in g["params"]]
+
+    def _as_saved(self, held: torch.Tensor, value: Any) -> Any:
+        p = self.zero.params_of[held]
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.shape == held.shape:
+            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        return value
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -72,7 +83,7 @@ class ZeroOneOptimizerState(Stateful):
             if not st:  # before the first step: zeros of the right shapes, so a load has places to fill
                 st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
                 self.zero.optim.state[p] = st
-            out.update({f"state.{self.names[p]}.{k}": v for k, v in st.items()})
+            out.update({f"state.{self.names[p]}.{k}": self._as_saved(p, v) for k, v in st.items()})
         for g in self.zero.param_groups:  # every rank holds every group's hyperparameters
             for p in g["params"]:
                 out.update({f"param_groups.{self.names[p]}.{k}": v for k, v in g.items() if k != "params"})
@@ -81,7 +92,8 @@ class ZeroOneOptimizerState(Stateful):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for p in self._owned():
             prefix = f"state.{self.names[p]}."
-            self.zero.optim.state[p] = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            self.zero.optim.state[p] = {k[len(prefix):]: v.to_local() if isinstance(v, DTensor) else v
+                                        for k, v in sd.items() if k.startswith(prefix)}
         for g in self.zero.param_groups:
             prefix = f"param_groups.{self.names[g['params'][0]]}."
             g.update({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})

@@ -259,7 +259,7 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @click.option("-o", "--out", default="hw-profile.json", show_default=True, type=click.Path(dir_okay=False),
               help="With --calibrate: the profile file to write.")
 @click.option("--hw", "figures", multiple=True, metavar="KEY=VALUE", help="Replace a figure of the profile "
-              "(repeatable): memory_gb, intra_node_gbps, inter_node_gbps, gpus_per_node, peak_<dtype>.")
+              "(repeatable): memory_gib, intra_node_gbps, inter_node_gbps, gpus_per_node, peak_<dtype>.")
 @click.option("--bench", "bench_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="`hpctrain bench` results (bench.jsonl) of --group intra / inter runs: their link bandwidths.")
 @click.option("--storage-gbps", default=5.0, type=float, show_default=True,

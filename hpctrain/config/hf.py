@@ -120,6 +120,7 @@ def _hf_values(raw: dict[str, Any]) -> dict[str, Any]:
     out["rope_theta"] = float(theta)
     out["norm_eps"] = float(raw.get("rms_norm_eps", _FLOATS["rms_norm_eps"]))
     out["tie_embeddings"] = raw.get("tie_word_embeddings", False)
+    out["mlp"] = "swiglu"  # a Llama's MLP (hidden_act silu, checked above)
     return out
 
 

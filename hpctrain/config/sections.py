@@ -197,7 +197,8 @@ class ModelConfig:
     n_layers: int = 2  # transformer blocks
     n_heads: int = 4  # attention heads; must divide dim
     n_kv_heads: int = 0  # 0: same as n_heads (no grouped-query attention)
-    ffn_dim: int = 0  # 0: about 8/3 * dim, rounded up to a multiple of 64
+    ffn_dim: int = 0  # 0: about 8/3 * dim rounded up to a multiple of 64 (swiglu), 4 * dim (gelu)
+    mlp: str = "swiglu"  # swiglu (Llama: gate, up and down matrices) | gelu (GPT: two matrices, tanh GeLU)
     max_seq_len: int = 256  # longest sequence the rotary tables cover; data.seq_len must not exceed it
     tie_embeddings: bool = False  # the output layer shares the embedding's weights (refused with pp > 1)
     rope_theta: float = 10000.0  # RoPE base; train.init_from = "hf:PATH" takes it (and the sizes) from config.json
@@ -212,6 +213,7 @@ class ModelConfig:
         kv = self.n_kv_heads or self.n_heads
         check(self.n_heads % kv == 0,
                f"model.n_heads = {self.n_heads} is not divisible by model.n_kv_heads = {kv}")
+        one_of("model", "mlp", self.mlp, ("swiglu", "gelu"))
         check(self.rope_theta > 0 and self.norm_eps > 0,
                f"model.rope_theta = {self.rope_theta}, model.norm_eps = {self.norm_eps} must be > 0")
 

@@ -194,6 +194,9 @@ def export_hf(ckpt: Path, out: Path, dtype: str | None = None, max_shard_bytes: 
         raise ValueError(f"{out} exists and is not an empty directory: refusing to write over it")
     marker, _ = read_committed(ckpt)  # CheckpointCorrupt when uncommitted or its index does not match
     dims = run_dims(marker, ckpt)
+    if dims.mlp != "swiglu":
+        raise ValueError(f"{ckpt}: the run trained model.mlp = {dims.mlp!r}; a Hugging Face Llama has a SwiGLU MLP "
+                         f"(gate, up and down), so this model has no Llama form to export")
     mt = model_tensors(ckpt)
     untied = dims.tie_embeddings and not _tied_in_fact(mt)
     if untied:  # written untied, so transformers computes what the saved weights compute

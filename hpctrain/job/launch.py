@@ -272,10 +272,11 @@ def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) 
     out = report.evaluate(cfg, hw, storage_gbps=5.0, node_mtbf_h=ckpt_cost.NODE_MTBF_H, plan=plan)
     echo("planner: " + report.describe(out).replace("\n", "\nplanner: "))
     if not out["fits"] and memory_check:
-        st = out["model_states_gb"]
-        raise ValueError(f"the layout does not fit on {hw.name}: {out['memory_gb_per_gpu']:.1f} GB per GPU predicted "
-                         f"of {hw.memory_gb:g} GB (parameters {st['params']:.1f}, gradients {st['grads']:.1f}, AdamW "
-                         f"{st['optimizer']:.1f}, activations {out['activations_gb']:.1f}, +{out['memory_margin']:.0%}"
+        st = out["model_states_gib"]
+        raise ValueError(f"the layout does not fit on {hw.name}: {out['memory_gib_per_gpu']:.1f} GiB per GPU predicted "
+                         f"of {hw.memory_gib:g} GiB (GiB: parameters {st['params']:.1f}, gradients {st['grads']:.1f}, "
+                         f"AdamW {st['optimizer']:.1f}, activations {out['activations_gib']:.1f}, "
+                         f"+{out['memory_margin']:.0%}"
                          f"); shard more (parallel.zero_stage, tp, pp), recompute (train.ac), shrink the micro-batch, "
                          f"or submit with --no-memory-check to try anyway")
     return out

@@ -24,29 +24,35 @@ class ModelDims:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     true_vocab_size: int = 0  # before padding
+    mlp: str = "swiglu"  # "swiglu" (w1 gate, w3 up, w2 down) or "gelu" (w1 up, w2 down)
 
     @staticmethod
     def from_config(m: ModelConfig, tp: int = 1, pad_to: int = 64) -> "ModelDims":
         """Pads the vocabulary to a multiple of lcm(pad_to, tp): the same padded size for every tp dividing
         pad_to, so layouts stay comparable. Heads and FFN width must divide by tp (ValueError otherwise)."""
         kv = m.n_kv_heads or m.n_heads
-        ffn = m.ffn_dim or 64 * math.ceil(8 * m.dim / 3 / 64)
+        ffn = m.ffn_dim or (4 * m.dim if m.mlp == "gelu" else 64 * math.ceil(8 * m.dim / 3 / 64))
         for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv), ("model ffn_dim", ffn)):
             if value % tp:
                 raise ValueError(f"{name} = {value} is not divisible by parallel.tp = {tp}")
         multiple = math.lcm(pad_to, tp)
         vocab = multiple * math.ceil(m.vocab_size / multiple)
         return ModelDims(vocab, m.dim, m.n_layers, m.n_heads, kv, ffn, m.max_seq_len, m.tie_embeddings,
-                         rope_theta=m.rope_theta, norm_eps=m.norm_eps, true_vocab_size=m.vocab_size)
+                         rope_theta=m.rope_theta, norm_eps=m.norm_eps, true_vocab_size=m.vocab_size, mlp=m.mlp)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def mlp_matrices(self) -> int:
+        """The MLP's weight matrices: 3 for SwiGLU, 2 for GeLU."""
+        return 3 if self.mlp == "swiglu" else 2
+
     def num_params(self, embeddings: bool = True) -> int:
         d, h = self.dim, self.head_dim
         attn = d * (self.n_heads * h) * 2 + d * (self.n_kv_heads * h) * 2
-        block = attn + 3 * d * self.ffn_dim + 2 * d
+        block = attn + self.mlp_matrices * d * self.ffn_dim + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * block + d + (emb if embeddings else 0)
 
@@ -62,11 +68,14 @@ class ModelDims:
         d, h, f = self.dim, self.head_dim, self.ffn_dim
         p = f"layers.{layer}."
         q, kv = self.n_heads * h, self.n_kv_heads * h
-        return {p + "attention_norm.weight": (d,), p + "attention.wq.weight": (q, d),
-                p + "attention.wk.weight": (kv, d), p + "attention.wv.weight": (kv, d),
-                p + "attention.wo.weight": (d, q), p + "ffn_norm.weight": (d,),
-                p + "feed_forward.w1.weight": (f, d), p + "feed_forward.w3.weight": (f, d),
-                p + "feed_forward.w2.weight": (d, f)}
+        out = {p + "attention_norm.weight": (d,), p + "attention.wq.weight": (q, d),
+               p + "attention.wk.weight": (kv, d), p + "attention.wv.weight": (kv, d),
+               p + "attention.wo.weight": (d, q), p + "ffn_norm.weight": (d,),
+               p + "feed_forward.w1.weight": (f, d), p + "feed_forward.w3.weight": (f, d),
+               p + "feed_forward.w2.weight": (d, f)}
+        if self.mlp == "gelu":
+            del out[p + "feed_forward.w3.weight"]
+        return out
 
     def param_shapes(self, layers=None, embedding: bool = True, head: bool = True) -> dict[str, tuple[int, ...]]:
         """Full shapes of the parameters a model (or a pipeline stage) holds: the blocks `layers` (all by default),

@@ -1,6 +1,6 @@
-"""A Llama-style decoder on one device: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention through
-scaled_dot_product_attention (FlashAttention on GPUs; K/V heads passed grouped with enable_gqa where the kernel
-reads them so), optional tied embeddings. No distributed code here:
+"""A Llama-style decoder on one device: RMSNorm, rotary embeddings, SwiGLU MLP (or GPT's GeLU one), grouped-query
+attention through scaled_dot_product_attention (FlashAttention on GPUs; K/V heads passed grouped with enable_gqa
+where the kernel reads them so), optional tied embeddings. No distributed code here:
 hpctrain.parallel applies tensor parallel, checkpointing and sharding to this unmodified module.
 
     model = Transformer(ModelDims.from_config(cfg.model, tp=2))   # on the meta device for big models
@@ -142,13 +142,18 @@ class SwiGLU(torch.autograd.Function):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU (Llama: w2(silu(w1 x) * w3 x)) or, with mlp = "gelu", GPT's two matrices (w2(gelu(w1 x)), tanh GeLU;
+    autograd keeps GeLU's input and output, as Megatron's GPT does)."""
+
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d.dim, d.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(d.dim, d.ffn_dim, bias=False)  # up
+        self.w1 = nn.Linear(d.dim, d.ffn_dim, bias=False)  # gate (SwiGLU), up (GeLU)
+        self.w3 = nn.Linear(d.dim, d.ffn_dim, bias=False) if d.mlp == "swiglu" else None  # up
         self.w2 = nn.Linear(d.ffn_dim, d.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x), approximate="tanh"))
         return self.w2(SwiGLU.apply(self.w1(x), self.w3(x)))
 
 

@@ -1,7 +1,7 @@
 """Data parallelism and ZeRO: FSDP2 sharding of parameters, gradients and optimizer state (ZeRO-2/3, applied on
 the meta device before materialisation), and how gradients meet across dp (gradient_sync): DDP, one coalesced
 all-reduce, FSDP's reduce-scatter, each only after the last micro-batch. ZeRO-1 shards only the optimizer state
-(hpctrain.train.optim.build_optimizer's ZeroRedundancyOptimizer) over the averaged gradients."""
+(hpctrain.train.optim.ZeroOne, torch's ZeroRedundancyOptimizer over the local shards) over the averaged gradients."""
 from __future__ import annotations
 
 import contextlib
@@ -79,7 +79,7 @@ def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_grou
     """The model the trainer runs and its sync(is_last_micro_step): gradients are reduced across dp once per step,
     after the last micro-batch (nanoGPT's no_sync trick). zero -1 means no data parallelism.
     - ZeRO-2/3 (FSDP2): FSDP reduce-scatters after the last micro-batch; under pp the schedule tells it when.
-    - ZeRO-0 with tensor parallel, or ZeRO-0/1 under pp: one coalesced all-reduce of the (local shards of the)
+    - ZeRO-0/1 with tensor parallel, or under pp: one coalesced all-reduce of the (local shards of the)
       gradients after the last micro-batch. DDP cannot hold DTensor parameters, and under pipeline parallel
       torch's DDP fails with several stages per rank (bucket rebuild assert in torch 2.13); in a pipeline the
       reduction waits for the last micro-batch anyway. ZeRO-1's optimizer then steps its shard of the averages.
@@ -93,7 +93,7 @@ def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_grou
             model.set_requires_gradient_sync(last)  # accumulate unreduced gradients until the last micro-step
             yield
         return model, fsdp_sync
-    if (zero == 0 and tp > 1) or pipelined:
+    if (zero in (0, 1) and tp > 1) or pipelined:
         @contextlib.contextmanager
         def allreduce_after(last: bool):
             yield

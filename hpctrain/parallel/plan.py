@@ -55,7 +55,7 @@ def with_training(plan: Plan, cfg: Config) -> Plan:
     from hpctrain.parallel import stages as pipeline_stages
 
     tp, dp = plan.layout.tp, plan.layout.dp
-    stages = _check_supported(cfg, tp, dp)
+    stages = _check_supported(cfg, dp)
     dims = ModelDims.from_config(cfg.model, tp)
     micro, global_batch = _batch_plan(cfg, dp)
     notes = [pipeline_stages.describe(stages, cfg.train.grad_accum)] if stages else []
@@ -70,7 +70,7 @@ def with_training(plan: Plan, cfg: Config) -> Plan:
                                notes=tuple(notes))
 
 
-def _check_supported(cfg: Config, tp: int, dp: int) -> StagePlan | None:
+def _check_supported(cfg: Config, dp: int) -> StagePlan | None:
     """Refuses what does not compose; returns the pipeline's stage plan when pp > 1."""
     from hpctrain.parallel.stages import StagePlan
 
@@ -88,9 +88,6 @@ def _check_supported(cfg: Config, tp: int, dp: int) -> StagePlan | None:
                              f"wrongly: the deferred weight-gradient pass does not compose with parameters resharded "
                              f"after forward; use zero_stage 2 (the same memory for gradients and optimizer state) "
                              f"or a schedule without zero bubble (1f1b, interleaved_1f1b)")
-    if z == 1 and tp > 1:
-        raise ValueError(f"parallel.zero_stage = 1 with parallel.tp = {tp} is not supported (ZeRO-1 shards the "
-                         f"optimizer of plain DDP); use zero_stage 0, 2 or 3 with tensor parallel")
     return stages
 
 

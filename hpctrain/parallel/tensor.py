@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from hpctrain.model.transformer import Transformer
 
 
-def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
-    """Column-parallel q/k/v and gate/up, row-parallel o/down; norms sequence-parallel when asked (the gathers
-    before attention and MLP: SequenceGather)."""
+def tp_plan(block_prefix: str, sequence_parallel: bool, mlp: str = "swiglu") -> dict[str, Any]:
+    """Column-parallel q/k/v and gate/up (GeLU: up), row-parallel o/down; norms sequence-parallel when asked (the
+    gathers before attention and MLP: SequenceGather)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
@@ -27,9 +27,10 @@ def tp_plan(block_prefix: str, sequence_parallel: bool) -> dict[str, Any]:
         f"{block_prefix}.attention.wv": ColwiseParallel(),
         f"{block_prefix}.attention.wo": RowwiseParallel(output_layouts=seq),
         f"{block_prefix}.feed_forward.w1": ColwiseParallel(),
-        f"{block_prefix}.feed_forward.w3": ColwiseParallel(),
         f"{block_prefix}.feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
+    if mlp == "swiglu":
+        plan[f"{block_prefix}.feed_forward.w3"] = ColwiseParallel()
     if sequence_parallel:
         plan[f"{block_prefix}.attention_norm"] = SequenceParallel()
         plan[f"{block_prefix}.ffn_norm"] = SequenceParallel()
@@ -126,7 +127,7 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel
     if sequence_parallel and model.norm is not None:
         plan["norm"] = SequenceParallel()
     for i in model.layers:
-        plan.update(tp_plan(f"layers.{i}", sequence_parallel))
+        plan.update(tp_plan(f"layers.{i}", sequence_parallel, model.dims.mlp))
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel:
         for key, block in model.layers.items():

@@ -9,7 +9,8 @@ fp32, 2 in bf16/fp16; the residual stream too), and per block and token the bloc
                             outputs (the projections' input)
     q (heads x hd)       2: the rotated queries, the attention's output
     kv (kv heads x hd)   2: the rotated keys, the values
-    f (ffn)              3: gate, up, and the MLP's product (the down projection's input)
+    f (ffn)              3: gate, up, and the MLP's product (the down projection's input); GeLU (model.mlp):
+                            2, GeLU's input and output
     + 4 bytes per head (the attention kernel's log-sum-exp) and 8 bytes (the norms' 1/rms, fp32)
 
 The h-wide tensors and the 1/rms split over tp with sequence parallel (the projections' input is kept as its
@@ -23,7 +24,8 @@ one block's full set while it is recomputed in backward; "every" checkpoints eve
 the matmuls they keep (q, k, v, gate and up: their widths; the o and down projections': h, whole under tp, as a
 matmul's output is before its reduction), the attention kernel's output (q) and log-sum-exp, and under tp the
 reductions' results (h, a sequence shard with sequence parallel); "op" keeps the 1st, 3rd, 5th and 7th matmul of
-the block's seven (q, v, gate, down), "selective" all seven.
+the block's seven (q, v, gate, down), "selective" all seven. A GeLU block has six matmuls (no gate): "selective"
+keeps q, k, v, up and o, down; "op" the 1st, 3rd and 5th (q, v, up).
 
 Outside the blocks, per micro-batch: the token ids (int64), the final norm's input and 1/rms, the output
 projection's input (whole: gathered under sequence parallel), and the logits' log-softmax in fp32 (tokens x vocab
@@ -38,7 +40,15 @@ from hpctrain.parallel.recompute import PARTIAL, recomputed_blocks
 
 # per mode: bytes per element of an activation, bytes per weight of autocast's low-precision copy
 MODES = {"fp32": (4, 0), "autocast": (2, 2), "fsdp": (2, 0)}
-H, Q, KV, F, PER_HEAD, ONE = 4, 2, 2, 3, 4, 8  # tensors of each width kept per block and token (above); bytes
+H, Q, KV, PER_HEAD, ONE = 4, 2, 2, 4, 8  # tensors of each width kept per block and token (above); bytes
+F = {"swiglu": 3, "gelu": 2}  # ffn-wide tensors kept, by model.mlp
+
+
+def block_weights(dims: ModelDims) -> int:
+    """Elements of one block's matmul weights."""
+    hd = dims.head_dim
+    return 2 * dims.n_heads * hd * dims.dim + 2 * dims.n_kv_heads * hd * dims.dim + dims.mlp_matrices * dims.dim \
+        * dims.ffn_dim
 
 
 @dataclass(frozen=True)
@@ -54,9 +64,8 @@ class ActivationModel:
         seq_split = tp if self.sequence_parallel else 1
         per_token = (H * e * dims.dim + ONE) / seq_split + (
             Q * e * dims.n_heads * hd + KV * e * dims.n_kv_heads * hd + PER_HEAD * dims.n_heads
-            + F * e * dims.ffn_dim) / tp
-        weights = 2 * dims.n_heads * hd * dims.dim + 2 * dims.n_kv_heads * hd * dims.dim + 3 * dims.dim * dims.ffn_dim
-        return tokens * per_token + per_weight * weights / tp
+            + F[dims.mlp] * e * dims.ffn_dim) / tp
+        return tokens * per_token + per_weight * block_weights(dims) / tp
 
     def partial_block_bytes(self, dims: ModelDims, tokens: int, ac: str) -> float:
         """Bytes one block keeps under train.ac = "selective" or "op" (module docstring)."""
@@ -64,7 +73,11 @@ class ActivationModel:
         hd, tp = dims.head_dim, self.tp
         seq_split = tp if self.sequence_parallel else 1
         q, kv, f = dims.n_heads * hd / tp, dims.n_kv_heads * hd / tp, dims.ffn_dim / tp
-        mm = (q + 2 * kv + 2 * f + 2 * dims.dim) if ac == "selective" else (q + kv + f + dims.dim)
+        gelu = dims.mlp == "gelu"
+        if ac == "selective":
+            mm = q + 2 * kv + (1 if gelu else 2) * f + 2 * dims.dim
+        else:  # the odd-numbered matmuls: q, v, gate, down (SwiGLU); q, v, up (GeLU)
+            mm = q + kv + f + (0 if gelu else dims.dim)
         reductions = 2 * dims.dim / seq_split if tp > 1 else 0.0
         return tokens * (e * (dims.dim / seq_split + mm + q + reductions) + PER_HEAD * dims.n_heads / tp)
 
@@ -75,9 +88,7 @@ class ActivationModel:
         per_weight = MODES[self.mode][1]
         if not per_weight:
             return 0.0
-        weights = (2 * dims.n_heads * dims.head_dim * dims.dim + 2 * dims.n_kv_heads * dims.head_dim * dims.dim
-                   + 3 * dims.dim * dims.ffn_dim)
-        return per_weight * (blocks * weights + (dims.vocab_size * dims.dim if head else 0)) / self.tp
+        return per_weight * (blocks * block_weights(dims) + (dims.vocab_size * dims.dim if head else 0)) / self.tp
 
     def input_bytes(self, dims: ModelDims, tokens: int) -> float:
         """What a checkpointed block keeps: its input (the residual stream, in the compute dtype)."""

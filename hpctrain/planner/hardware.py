@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 from hpctrain.untrusted import Untrusted, parse_json, read_bytes
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # "fp32": plain FP32 (no TF32); the others on tensor/matrix cores
-NUMBERS = ("memory_gb", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
+NUMBERS = ("memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
 LINKS = ("intra_node_gbps", "inter_node_gbps")  # unknown (None) on a calibration made without `hpctrain bench`
 # what a calibration measures besides the peak (hpctrain/train/calibrate.py); None: not calibrated
 CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s")
@@ -45,7 +45,7 @@ def _positive(value: Any) -> bool:
 class Hardware:
     name: str
     peak_tflops: Mapping[str, float]  # dense TFLOP/s per GPU, per matmul input dtype (DTYPES); absent: not offered
-    memory_gb: float  # HBM per GPU as sold (GB)
+    memory_gib: float  # HBM per GPU in GiB: the vendor's "80 GB" (A100, H100) is 80 GiB, 85.9e9 bytes
     intra_node_gbps: float | None  # per GPU, per direction, inside a node (GB/s); None: unknown (calibrations)
     inter_node_gbps: float | None  # per GPU, per direction, between nodes (GB/s); None: unknown (calibrations)
     gpus_per_node: int  # GPUs, or a CPU's cores (one rank per core)
@@ -303,7 +303,7 @@ def parse_figures(items: Sequence[str]) -> dict[str, float]:
     return out
 
 
-PROFILE_FORMAT = "hpctrain hardware profile 1"  # the "format" key of a profile file
+PROFILE_FORMAT = "hpctrain hardware profile 2"  # 2: memory_gib (1 had memory_gb)  # the "format" key of a profile file
 MAX_PROFILE_BYTES = 1 << 16  # a profile file is a few hundred bytes
 
 
@@ -333,7 +333,7 @@ def load_profile(path: str | Path, overrides: Mapping[str, Any] | None = None) -
                          f"--calibrate -o {path}`)")
     fields = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(raw) - fields - {"format"})
-    missing = sorted(f for f in ("name", "peak_tflops", "memory_gb", "gpus_per_node", "source") if f not in raw)
+    missing = sorted(f for f in ("name", "peak_tflops", "memory_gib", "gpus_per_node", "source") if f not in raw)
     if unknown or missing:
         raise ValueError(f"{path}: unknown key(s) {unknown} / missing key(s) {missing}")
     if not isinstance(raw["peak_tflops"], dict) or not isinstance(raw["name"], str) or not isinstance(

@@ -18,15 +18,16 @@ tests/multiproc/planner/test_planner_memory.py):
   (embedding, norm, output) and two blocks' (the one in backward, the one prefetched). The activations of the
   micro-batches in flight (stage_activations x in_flight, autocast's weight copies once; + one block recomputed
   under checkpointing). Then on the rank with the loss three logits-sized fp32 buffers (the logits the trainer
-  holds, their log-softmax's gradient and their gradient; two under pipeline parallel, where the held logits are
-  among the outputs below), or, where no gradient existed yet, the first block's gradients if larger.
-- "sync": where gradients are all-reduced as one flat copy after the last backward (ZeRO-0 with tensor parallel,
-  ZeRO-0/1 under pipeline parallel: parallel.data.allreduce_grads): masters, AdamW state, gradients, the copy.
+  or the pipeline's last stage holds, their log-softmax's gradient and their gradient), or, where no gradient
+  existed yet, the first block's gradients if larger.
+- "sync": where gradients are all-reduced as one flat copy after the last backward (ZeRO-0/1 with tensor parallel
+  or under pipeline parallel: parallel.data.allreduce_grads): masters, AdamW state, gradients, the copy.
 - "optimizer": foreach AdamW's step: masters, gradients, AdamW state and a temporary the size of what it steps
   (the square root of exp_avg_sq: 4 bytes per element, half the AdamW state).
 Under pipeline parallel every moment also has the schedule's buffers: per micro-batch a receive buffer for the
-input activations (all stages but the first) and one for the gradients coming back (all but the last), and on
-the last stage every micro-batch's logits (the schedule's merged output).
+input activations (all stages but the first) and one for the gradients coming back (all but the last). The last
+stage keeps no micro-batch's logits past its backward: the trainer asks the schedule for no merged output
+(parallel.pipeline.Pipeline; torch older than that option keeps them all, m logits more on the last stage).
 
 Micro-batches in flight on pipeline rank r (measured on torch 2.13's schedules, in units of the rank's whole
 set of blocks): 1 without pipeline parallel; GPipe m; 1F1B min(m, pp - r); interleaved 1F1B (warm-up + 1)
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpctrain.planner.activations import ActivationModel, mode_of
+from hpctrain.planner.activations import ActivationModel, block_weights, mode_of
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -107,7 +108,7 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     if plan.stages is not None:
         stages = plan.stages.stages_of(pp_rank)
         width = model.input_bytes(dims, tokens)
-        buffers = m * width * sum((s != 0) + (s != plan.stages.last) for s in stages) + (m * logits if head else 0)
+        buffers = m * width * sum((s != 0) + (s != plan.stages.last) for s in stages)
     ddp = zero in (0, 1) and lay.tp == 1 and plan.stages is None
     # an earlier micro-batch's gradients; FSDP's unsharded, in train.reduce_dtype under mixed precision
     low_reduce = t.reduce_dtype == "bf16" and t.precision in LOW
@@ -118,20 +119,19 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
         early = accumulated if m > 1 else 0
     else:
         early = accumulated if n < m else 0
-    block = (2 * dims.n_heads * dims.head_dim * dims.dim + 2 * dims.n_kv_heads * dims.head_dim * dims.dim
-             + 3 * dims.dim * dims.ffn_dim) / lay.tp + 2 * dims.dim  # one block's local elements
+    block = block_weights(dims) / lay.tp + 2 * dims.dim  # one block's local elements
     if fsdp and zero == 3 and plan.stages is None:
         root = (2 * dims.vocab_size * dims.dim / lay.tp + dims.dim)
         gathered = LOW.get(t.precision, 4) * (2 * block + root)
     # then the loss's buffers, or, a little later, the first block's gradients beside the same activations
-    later = (2 if plan.stages else 3) * logits if head else 0.0
+    later = 3 * logits if head else 0.0
     if not early:
         later = max(later, 4 * block)
     moments = {
         "backward": masters + opt + gathered + early + acts + later + buffers,
         "optimizer": masters + grads + opt + opt / 2 + buffers,
     }
-    if (zero == 0 and lay.tp > 1 and plan.stages is None) or (plan.stages is not None and zero in (0, 1)):
+    if zero in (0, 1) and (lay.tp > 1 or plan.stages is not None):
         moments["sync"] = masters + opt + 2 * grads + buffers
     phase = max(moments, key=moments.get)
     return {"peak": moments[phase], "activations": acts, "phase": phase, "moments": moments}

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from hpctrain.parallel.plan import Plan
     from hpctrain.planner.hardware import Hardware
 
-GB = 1e9
+GIB = 2 ** 30  # memory figures in GiB: an "80 GB" GPU holds 80 GiB (hardware.Hardware.memory_gib)
 MEASURED_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # in-flight counts measured (planner/peak.py)
 MARGIN = 0.10  # of the predicted bytes, for the allocator's fragmentation and buffers not modelled
 
@@ -57,12 +57,12 @@ def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, in
 
 def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                   peak_per_rank: bool = False) -> timing.TimeEstimate:
-    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel; FSDP accumulates
-    whole gradients and reduce-scatters once per step (parallel/data.py). A measured (calibrated CPU)
-    profile is one host that runs every rank of the job (a local run, or the local Slurm cluster's nodes): its
-    GEMM rate is the host's, shared by the ranks, and more ranks than cores slow the host's own work as much, unless
-    peak_per_rank (a rate each rank measured with the others computing, one rank per core); it takes the
-    calibrated efficiency and, unless host=False, the host's per-block and per-step work (Hardware.host_*_s)."""
+    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel; FSDP accumulates whole
+    gradients and reduce-scatters once per step (parallel/data.py); ZeRO-1 all-reduces and broadcasts. A measured
+    (calibrated CPU) profile is one host that runs every rank of the job (a local run, or the local Slurm cluster's
+    nodes): its GEMM rate is the host's, shared by the ranks, and more ranks than cores slow the host's own work as
+    much, unless peak_per_rank (a rate each rank measured with the others computing, one rank per core); it takes
+    the calibrated efficiency and, unless host=False, the host's per-block and per-step work (Hardware.host_*_s)."""
     p, t, lay = cfg.parallel, cfg.train, plan.layout
     cpu = {"block": 0.0, "tp_block": 0.0, "step": 0.0}
     if hw.measured and host:
@@ -80,7 +80,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            # under pipeline parallel hpctrain's ZeRO-3 gathers once per step and keeps the stage
                            # whole (the plan's note): ZeRO-2's traffic
                            zero_stage=2 if p.zero_stage == 3 and lay.pp > 1 else p.zero_stage,
-                           accumulate_unsharded=True,
+                           accumulate_unsharded=True, zero1_broadcast=True,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, tp_projections="separate",
                            efficiency=hw.efficiency,
@@ -104,7 +104,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         notes.append(f"parallel.pp_schedule = {cfg.parallel.pp_schedule!r}: the micro-batches it keeps in flight are "
                      f"not measured (the memory model counts {', '.join(MEASURED_SCHEDULES)}'s; zbv was seen 24% "
                      f"above it): take the memory prediction as a lower bound")
-    fits = total <= hw.memory_gb * GB
+    fits = total <= hw.memory_gib * GIB
     t = cfg.train
     am = ActivationModel(mode_of(t.precision, cfg.parallel.zero_stage, plan.layout.dp), plan.layout.tp,
                          cfg.parallel.sequence_parallel)
@@ -115,9 +115,10 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "kept": am.block_bytes(plan.dims, tokens) - am.weight_copy_bytes(plan.dims, 1),
         "recomputed": None if recomputed is None else recomputed(plan.dims, tokens)}
     if not fits:
-        notes.append(f"does not fit: {total / GB:.1f} GB per GPU predicted (peak {worst['peak'] / GB:.1f} at the "
-                     f"{worst['phase']} of pipeline rank {worst['pp_rank']}: model states {states['total'] / GB:.1f}, "
-                     f"activations {acts / GB:.1f}; +{MARGIN:.0%}), {hw.name} has {hw.memory_gb:g} GB")
+        notes.append(f"does not fit: {total / GIB:.1f} GiB per GPU predicted (peak {worst['peak'] / GIB:.1f} GiB at "
+                     f"the {worst['phase']} of pipeline rank {worst['pp_rank']}: model states "
+                     f"{states['total'] / GIB:.1f} GiB, activations {acts / GIB:.1f} GiB; +{MARGIN:.0%}), "
+                     f"{hw.name} has {hw.memory_gib:g} GiB")
     if ckpt["fits_warning"] is False:
         notes.append(f"a checkpoint save takes about {ckpt['save_s']:.0f} s at {storage_gbps:g} GB/s, longer than "
                      f"job.signal_delay_s = {cfg.job.signal_delay_s}: a preemption or the time limit would end the "
@@ -126,10 +127,10 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "gpu": hw.name, "layout": dataclasses.asdict(plan.layout) | {"zero_stage": cfg.parallel.zero_stage},
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
-        "memory_gb_per_gpu": total / GB, "model_states_gb": {k: v / GB for k, v in states.items()},
-        "activations_gb": acts / GB, "activation_bytes_per_layer": per_layer, "peak_gb": worst["peak"] / GB,
+        "memory_gib_per_gpu": total / GIB, "model_states_gib": {k: v / GIB for k, v in states.items()},
+        "activations_gib": acts / GIB, "activation_bytes_per_layer": per_layer, "peak_gib": worst["peak"] / GIB,
         "peak_phase": worst["phase"],
-        "peak_pp_rank": worst["pp_rank"], "memory_margin": MARGIN, "gpu_memory_gb": hw.memory_gb, "fits": fits,
+        "peak_pp_rank": worst["pp_rank"], "memory_margin": MARGIN, "gpu_memory_gib": hw.memory_gib, "fits": fits,
         "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
         "model_tflops_per_gpu": est.model_tflops_per_gpu, "hardware_tflops_per_gpu": est.hardware_tflops_per_gpu,
         "mfu": est.mfu, "hfu": est.hfu, "time_terms": est.terms, "time_basis": est.basis,
@@ -139,14 +140,14 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
 
 def describe(out: dict[str, Any]) -> str:
     """A few lines for a terminal."""
-    lay, st, ck = out["layout"], out["model_states_gb"], out["checkpoint"]
+    lay, st, ck = out["layout"], out["model_states_gib"], out["checkpoint"]
     device = "ranks (one host)" if out["gpu"] == "cpu" else "GPUs"  # a CPU calibration's name
     lines = [f"layout pp={lay['pp']} dp={lay['dp']} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
              f"{out['gpu']} {device}; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
              f"{out['global_batch']} (micro {out['micro_batch']})",
-             f"memory per GPU: {out['memory_gb_per_gpu']:.2f} GB of {out['gpu_memory_gb']:g} GB (parameters "
+             f"memory per GPU: {out['memory_gib_per_gpu']:.2f} GiB of {out['gpu_memory_gib']:g} GiB (GiB: parameters "
              f"{st['params']:.2f}, gradients {st['grads']:.2f}, AdamW {st['optimizer']:.2f}, activations "
-             f"{out['activations_gb']:.2f}; peak {out['peak_gb']:.2f} at the {out['peak_phase']}, "
+             f"{out['activations_gib']:.2f}; peak {out['peak_gib']:.2f} at the {out['peak_phase']}, "
              f"+{out['memory_margin']:.0%}) -> "
              f"{'fits' if out['fits'] else 'DOES NOT FIT'}",
              f"step {out['step_time_s']:.3g} s: {out['tokens_per_s']:,.0f} tokens/s, "

@@ -58,7 +58,7 @@ def candidates(cfg: Config, global_batch: int) -> Iterator[Config]:
 def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
            global_batch: int) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """(fitting layouts, best first by tokens/s; why the others were refused: reason -> [count, and for running
-    out of memory the least and most GB over the GPU's])."""
+    out of memory the least and most GiB over the GPU's])."""
     fit: list[dict[str, Any]] = []
     why: dict[str, list[float]] = {}
     for variant in candidates(cfg, global_batch):
@@ -74,8 +74,8 @@ def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
         if out["fits"]:
             fit.append(out)
         else:
-            over = out["memory_gb_per_gpu"] - hw.memory_gb
-            entry = why.setdefault(f"out of memory on {hw.name} ({hw.memory_gb:g} GB)", [0, over, over])
+            over = out["memory_gib_per_gpu"] - hw.memory_gib
+            entry = why.setdefault(f"out of memory on {hw.name} ({hw.memory_gib:g} GiB)", [0, over, over])
             entry[0] += 1
             entry[1], entry[2] = min(entry[1], over), max(entry[2], over)
     fit.sort(key=lambda o: -o["tokens_per_s"])
@@ -86,18 +86,18 @@ def describe(fit: list[dict[str, Any]], why: dict[str, list[float]], top: int = 
     lines = [f"{len(fit)} layouts fit; the {min(top, len(fit))} fastest predicted:",
              f"  {'tp':>3} {'sp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'ac':>5} {'micro':>5} {'accum':>5} "
              f"{'schedule':>17} "
-             f"{'GB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'MFU':>6}"]
+             f"{'GiB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'MFU':>6}"]
     for o in fit[:top]:
         lay = o["layout"]
         sp = "yes" if lay["sequence_parallel"] else "no"
         schedule = lay["schedule"] + (f" v{lay['virtual_stages']}" if lay["virtual_stages"] > 1 else "")
         lines.append(f"  {lay['tp']:>3} {sp:>3} {lay['pp']:>3} {lay['dp']:>5} {lay['zero_stage']:>4} {lay['ac']:>5} "
                      f"{lay['micro_batch']:>5} {lay['grad_accum']:>5} {schedule:>17} "
-                     f"{o['memory_gb_per_gpu']:>7.1f} {o['step_time_s']:>8.3g} {o['tokens_per_s']:>11,.0f} "
+                     f"{o['memory_gib_per_gpu']:>7.1f} {o['step_time_s']:>8.3g} {o['tokens_per_s']:>11,.0f} "
                      f"{o['mfu']:>6.1%}")
     if why:
         lines.append(f"{sum(e[0] for e in why.values())} refused:")
         for reason, entry in sorted(why.items(), key=lambda kv: -kv[1][0])[:10]:
-            by = f": by {entry[1]:.1f} to {entry[2]:.1f} GB" if len(entry) == 3 else ""
+            by = f": by {entry[1]:.1f} to {entry[2]:.1f} GiB" if len(entry) == 3 else ""
             lines.append(f"  {int(entry[0]):>5} x {reason}{by}")
     return "\n".join(lines)

@@ -30,7 +30,8 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   Exposed unless tp_overlap (then only what exceeds the compute is).
 - data parallel, on the stage's parameters P (params / (t p)), N = dp: DDP 2 (N-1)/N P g once per step (g: grad
   reduce bytes, fp32 by default as hpctrain's train.reduce_dtype); ZeRO-1/2 a reduce-scatter of grads plus an
-  all-gather of 16-bit params; ZeRO-3/FSDP per micro-batch an all-gather forward, again backward, and a reduce-
+  all-gather of 16-bit params (hpctrain's ZeRO-1, zero1_broadcast: an all-reduce of grads and a broadcast of the
+  fp32 params, (N-1)/N P (2 g + 4)); ZeRO-3/FSDP per micro-batch an all-gather forward, again backward, and a reduce-
   scatter (once per step with accumulate_unsharded, as hpctrain accumulates whole gradients). Layout (hpctrain's
   and Megatron's): tp innermost in a node, then dp, then pp. A dp group with k = gpus_per_node / t ranks per node
   that spans nodes runs at min(NVLink, k x NIC) (its k ranks use k NICs; NCCL runs one ring per NIC), else on
@@ -87,7 +88,7 @@ class Shape:
     @staticmethod
     def of(dims) -> Shape:
         return Shape(dims.n_layers, dims.dim, dims.ffn_dim, dims.n_heads, dims.n_kv_heads, dims.vocab_size,
-                     "swiglu", dims.tie_embeddings)
+                     dims.mlp, dims.tie_embeddings)
 
     def block_weights(self) -> int:
         """Weights of one block's matmuls."""
@@ -170,11 +171,14 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              sequence_parallel: bool = False, recompute: str = "none", ac_every: int = 2, precision: str = "bf16",
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
-             host_step_s: float = 0.0, accumulate_unsharded: bool = False) -> TimeEstimate:
+             host_step_s: float = 0.0, accumulate_unsharded: bool = False,
+             zero1_broadcast: bool = False) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
-    gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel)."""
+    gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel).
+    zero1_broadcast: ZeRO-1 all-reduces the gradients and broadcasts the updated fp32 parameters from their owners
+    (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -222,6 +226,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         dp_comm = 0.0
     elif zero_stage == 0:
         dp_comm = 2 * ring(dp) * p_rank * reduce_b / dp_link
+    elif zero_stage == 1 and zero1_broadcast:
+        dp_comm = ring(dp) * p_rank * (2 * reduce_b + 4) / dp_link
     elif zero_stage in (1, 2):
         dp_comm = ring(dp) * p_rank * (reduce_b + act) / dp_link
     else:

@@ -117,11 +117,11 @@ def calibrate(links: dict[str, float], echo: Callable[[str], None] = print, roun
     rates = [r["gemm_tflops"] for runs in [*host_runs.values(), *eff_runs.values()] for r in runs]
     peak = statistics.median(rates)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = (f"`hpctrain plan --calibrate` on {socket.gethostname()} at {when}: fp32 GEMM {PROBE_N}^3 median of "
               f"{len(rates)} probes (best {max(rates) * 1e3:.1f} GFLOP/s), {cores} cores, one-rank training probes"
               + (f"; links from `hpctrain bench`: {', '.join(sorted(links))}" if links else "; links unknown"))
-    hw = hardware.Hardware(hardware.CPU, {"fp32": peak}, memory_gb, None, None, cores, source, measured=True,
+    hw = hardware.Hardware(hardware.CPU, {"fp32": peak}, memory_gib, None, None, cores, source, measured=True,
                            efficiency=eff, host_block_s=block, host_tp_block_s=None, host_step_s=step)
     return hw.with_overrides(**links)

@@ -3,7 +3,7 @@ warmup + cosine schedule, gradient clipping on the true global norm across tenso
 pipeline stages, and a dynamic loss scaler for fp16.
 
     lr = effective_lr(cfg.train, global_batch)             # train.lr, scaled when train.scale_lr_with_batch is set
-    opt = build_optimizer(model, cfg.train, lr, zero_group)  # ZeRO-1 (ZeroRedundancyOptimizer) when zero_group is given
+    opt = build_optimizer(model, cfg.train, lr, zero_group)  # ZeRO-1 (ZeroOne) when zero_group is given
     sched = build_schedule(opt, cfg.train, lr, cfg.train.steps)  # LambdaLR, stepped once per train step
     norm = grad_norm(params, pp_group); clip_grads(params, t.grad_clip, norm)   # the same norm on every rank
     skipped = step_or_skip(opt, norm, finite, loss_scaled=False)  # a non-finite step never reaches the weights
@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from hpctrain.config import TrainConfig
@@ -35,15 +36,57 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
+class ZeroOne(ZeroRedundancyOptimizer):
+    """ZeRO-1 over dp, for plain and tensor-parallel parameters (Megatron's distributed optimizer): each dp rank
+    keeps the AdamW state of its share of the parameters, steps that share and broadcasts it to the other dp ranks.
+
+    torch's ZeroRedundancyOptimizer partitions and broadcasts plain tensors; a tp parameter is a DTensor, so it is
+    handed the parameter's local shard (the storage the DTensor wraps: an update in place is the parameter's
+    update), and step() points each shard's .grad at the local part of the parameter's gradient, redistributed to
+    the parameter's placements first (a no-op unless the gradient is partial). Shards have the same sizes on every
+    tp rank, so every tp rank of a dp group partitions alike and the broadcasts pair up. params_of maps each
+    tensor the optimizer holds to the model's parameter (itself when plain): the checkpoint saves the state under
+    the parameter's name, as a DTensor like the parameter's."""
+
+    def __init__(self, groups: list[dict], process_group, **kwargs) -> None:
+        self.params_of: dict[torch.Tensor, torch.Tensor] = {}
+        shards = [[self._shard(p) for p in g["params"]] for g in groups]
+        super().__init__(shards[0], optimizer_class=torch.optim.AdamW, process_group=process_group,
+                         weight_decay=groups[0]["weight_decay"], **kwargs)
+        for g, held in zip(groups[1:], shards[1:]):
+            self.add_param_group({"params": held, "weight_decay": g["weight_decay"]})
+
+    def _shard(self, p: torch.Tensor) -> torch.Tensor:
+        if isinstance(p, DTensor):
+            with torch.no_grad():
+                shard = p.to_local()  # no autograd: the local tensor itself, the parameter's storage
+        else:
+            shard = p
+        self.params_of[shard] = p
+        return shard
+
+    def step(self, closure=None):
+        for shard, p in self.params_of.items():
+            if shard is not p:
+                g = p.grad
+                shard.grad = None if g is None else g.redistribute(p.device_mesh, p.placements).to_local()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for shard, p in self.params_of.items():
+            if shard is not p and p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
 def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None) -> torch.optim.Optimizer:
     kwargs = {"lr": lr, "betas": (t.beta1, t.beta2), "eps": 1e-8}
     groups = param_groups(model, t.weight_decay)
     if zero_group is not None:  # ZeRO-1: each dp rank keeps the AdamW state of its share of parameters
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      process_group=zero_group, weight_decay=t.weight_decay, **kwargs)
-        opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
-        return opt
+        return ZeroOne(groups, zero_group, **kwargs)
     # foreach: multi-tensor kernels that take DTensor shards (FSDP, TP) as they take plain tensors. Fused AdamW
     # would let step_or_skip skip a non-finite step without a host sync; it is not used yet.
     return torch.optim.AdamW(groups, foreach=True, **kwargs)

@@ -114,11 +114,16 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
         assert [r["step"] for r in rows] == list(range(1, steps + 1)) and summary["losses"] == [
             r["loss"] for r in rows]
         weights = full_weights(tr.model)
+        # what a pipeline's stages still hold of the last step's outputs (the schedule's merged output: logits)
+        import torch.distributed as dist
+        kept = torch.tensor(float(sum(len(st.output_chunks) for st in tr.pipe.stages) if tr.pipe else 0))
+        if dist.is_initialized():
+            dist.all_reduce(kept)
         if s.rank == 0:
             torch.save({"losses": summary["losses"], "grad_norms": [float(r["grad_norm"]) for r in rows],
                         "skipped": [bool(r["skipped"]) for r in rows], "scales": [r["loss_scale"] for r in rows],
-                        "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0]},
-                       out)
+                        "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0],
+                        "outputs_kept": int(kept)}, out)
     return {"losses": summary["losses"]}
 
 

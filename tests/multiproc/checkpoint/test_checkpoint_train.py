@@ -47,6 +47,14 @@ def _cases(out: Path) -> list[dict]:
                                       f"train.resume={step4}", ck("ckD"), "checkpoint.at_end=false"]},
         {"name": "tp4", "overrides": ["parallel.tp=4", "train.steps=8", f"train.resume={step4}", ck("ckE"),
                                       "checkpoint.at_end=false"]},
+        # ZeRO-1 with tp (the distributed optimizer) loads a ZeRO-3 checkpoint, saves its own at step 6, and
+        # dp=4 ZeRO-3 goes on from that
+        {"name": "zero1_tp2", "overrides": ["parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch_size=4",
+                                            "train.steps=8", f"train.resume={step4}", "checkpoint.every_steps=2",
+                                            ck("ckZ"), "checkpoint.at_end=false"]},
+        {"name": "zero1_to_dp4", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=2", "train.steps=8",
+                                               f"train.resume={out / 'ckZ' / 'step_00000006'}", ck("ckZ2"),
+                                               "checkpoint.at_end=false"]},
         {"name": "async", "overrides": LAYOUT + ["train.steps=8", "checkpoint.every_steps=2",
                                                  "checkpoint.async_save=true", "checkpoint.keep=3", ck("ckF")]},
         # USR2 one step after an asynchronous save began: it is finished and committed, then step 3 is saved
@@ -92,18 +100,23 @@ def test_usr2_during_async_save_resumes_bitwise(runs) -> None:
            "is saved, the resumed run's losses are bitwise the uninterrupted run's", tier="multi-process")
 
 
-def _continues_from_step4(got: dict, ref: dict) -> None:
-    """A run resumed at step 4 in another layout: its 4 losses and final weights match the uninterrupted run's."""
-    assert got["resumed_from"] == 4 and len(got["losses"]) == 4
-    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][4:])) <= LOSS_TOL
+def _continues_from_step4(got: dict, ref: dict, step: int = 4) -> None:
+    """A run resumed at `step` in another layout: its losses to step 8 and final weights match the uninterrupted
+    run's."""
+    assert got["resumed_from"] == step and len(got["losses"]) == 8 - step
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][step:])) <= LOSS_TOL
     assert set(got["weights"]) == set(ref["weights"])
     worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
     assert worst <= WEIGHT_TOL
 
 
-@pytest.mark.parametrize("layout", ["dp4", "tp4"])
+@pytest.mark.parametrize("layout", ["dp4", "tp4", "zero1_tp2"])
 def test_reshard_on_load(runs, layout) -> None:
     _continues_from_step4(runs[layout], runs["full"])
+
+
+def test_zero1_with_tp_saves_a_reshardable_checkpoint(runs) -> None:
+    _continues_from_step4(runs["zero1_to_dp4"], runs["full"], step=6)
 
 
 def test_async_save_writes_what_sync_writes(runs) -> None:

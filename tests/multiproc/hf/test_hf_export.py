@@ -132,6 +132,9 @@ def test_refusals_leave_nothing(run, tmp_path) -> None:
     marker["config"]["model"]["ffn_dim"] = 64
     (bad / "COMMITTED").write_text(json.dumps(marker))
     refused(hf.export_hf, bad, tmp_path / "a", fragments=["feed_forward.w1.weight has shape [128, 32]", "[64, 32]"])
+    marker["config"]["model"]["mlp"] = "gelu"  # GPT's MLP: no Llama form
+    (bad / "COMMITTED").write_text(json.dumps(marker))
+    refused(hf.export_hf, bad, tmp_path / "a", fragments=["model.mlp = 'gelu'", "SwiGLU"])
     (bad / "COMMITTED").unlink()
     with pytest.raises(CheckpointCorrupt, match="COMMITTED"):
         hf.export_hf(bad, tmp_path / "a")

@@ -47,6 +47,8 @@ TWO = [
     # partial recompute (train.ac selective, op): bitwise the same run as without
     *[{"name": f"tp2_sp_{ac}", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.ac={ac}"]}
       for ac in ("selective", "op")],
+    # GPT's two-matrix MLP (model.mlp = "gelu"): w1 column-, w2 row-parallel
+    {"name": "tp2_sp_gelu", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.mlp=gelu"]},
     {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
     {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
@@ -59,6 +61,11 @@ FOUR = [
                                                 "model.tie_embeddings=true"]},
     {"name": "tp2dp2_zero0", "overrides": ["parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=2",
                                            "train.grad_accum=2"]},
+    # Megatron's distributed optimizer: AdamW state sharded over dp, parameters tp-sharded DTensors (sequence
+    # parallel: the embedding's gradient arrives whole, not as the parameter's shard)
+    {"name": "tp2dp2_zero1_sp", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                              "parallel.zero_stage=1", "train.micro_batch_size=2",
+                                              "train.grad_accum=2"]},
     {"name": "tp2dp2_zero2_ac", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=4",
                                               "train.ac=every"]},
     {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
@@ -88,6 +95,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case(["train.ac=op"], out / "ac_op.pt")
     run_case(FOUR_LAYERS, out / "ref4.pt")
     run_case(["model.tie_embeddings=true"], out / "ref_tied.pt")
+    run_case(["model.mlp=gelu"], out / "ref_gelu.pt")
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = spawn_train_worker(4, FOUR, out)
     logs += [p.communicate(timeout=600)[0] for p in running[4]]
@@ -99,8 +107,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3",
-                                  "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero2_ac", "dp4_zero1_accum2", "accum4",
-                                  "ac_full"])
+                                  "tp2dp2_zero3", "tp2dp2_zero0", "tp2dp2_zero1_sp", "tp2dp2_zero2_ac",
+                                  "dp4_zero1_accum2", "accum4", "ac_full"])
 def test_layout_matches_single_process(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
 
@@ -118,6 +126,12 @@ def test_partial_recompute_changes_nothing(results, case, twin) -> None:
     assert all(torch.equal(got["weights"][k], ref["weights"][k]) for k in ref["weights"])
 
 
+def test_gelu_mlp_matches_single_process(results) -> None:
+    assert "layers.0.feed_forward.w3.weight" not in results["ref_gelu"]["weights"]
+    assert not torch.equal(results["ref_gelu"]["weights"]["output.weight"], results["ref"]["weights"]["output.weight"])
+    compare_runs(results["tp2_sp_gelu"], results["ref_gelu"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
 def test_tied_embeddings_stay_one_matrix(results) -> None:
     """model.tie_embeddings: the output projection is the embedding, in one process and under tp2 x dp2 ZeRO-3
     (materialising on the device once gave each its own copy, trained apart)."""
@@ -131,6 +145,8 @@ def test_tied_embeddings_stay_one_matrix(results) -> None:
 @pytest.mark.parametrize("case", ["pp2_gpipe", "pp2_1f1b", "pp2tp2", "pp2dp2_zero0", "pp2dp2_zero3"])
 def test_pipeline_matches_single_process(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    # the last stage keeps no micro-batch's logits past its backward (no merged output asked of the schedule)
+    assert results[case]["outputs_kept"] == 0
 
 
 @pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe", "pp2v2dp2_interleaved_zero1_ac",

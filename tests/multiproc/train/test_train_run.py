@@ -26,7 +26,6 @@ from hpctrain.train.trainer import Trainer
     (["model.n_heads=3", "model.dim=96"], "model.n_heads = 3 is not divisible by parallel.tp = 2"),
     (["train.global_batch_size=30", "train.grad_accum=4"],
      "train.global_batch_size = 30 is not divisible by dp(2) x train.grad_accum(4) = 8"),
-    (["parallel.zero_stage=1"], "parallel.zero_stage = 1 with parallel.tp = 2 is not supported"),
     (["parallel.pp=2", "parallel.dp=1"], "train.grad_accum = 1 micro-batches: 1F1B needs at least pp = 2"),
     (["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[3, 3]"], "parallel.pp_layers = [3, 3] sums to 6"),
     (["train.precision=fp8"], "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
@@ -178,7 +177,7 @@ def test_untimed_pipeline_step_takes_no_barrier_and_no_time(monkeypatch) -> None
         torch.device("cpu"), None
     pipe.busy_s = pipe.wall_s = 0.0
     pipe.steps = 0
-    pipe.shapes_known = False
+    pipe.shapes_known, pipe.no_outputs = False, {}
     monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: barriers.append(group))
     pipe.step(torch.zeros(1), torch.zeros(1), timed=False)
     assert barriers == [] and seen == [False] and stage.busy_s == 0.0

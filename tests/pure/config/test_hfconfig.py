@@ -90,7 +90,8 @@ def test_model_table_fills_what_the_run_leaves_out(tmp_path) -> None:
     d = _config_dir(tmp_path / "a")
     table = hfconfig.model_table(f"hf:{d}", {"max_seq_len": 32})
     assert table == {"max_seq_len": 32, "vocab_size": 70, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                     "ffn_dim": 48, "rope_theta": 500000.0, "norm_eps": 1e-5, "tie_embeddings": False}
+                     "ffn_dim": 48, "rope_theta": 500000.0, "norm_eps": 1e-5, "tie_embeddings": False,
+                     "mlp": "swiglu"}
     # older configs: no num_key_value_heads (as many as heads), no rope_theta / rms_norm_eps (the defaults);
     # transformers 5 gives rope_theta inside rope_parameters
     old_dir = _config_dir(tmp_path / "b", num_key_value_heads=..., rope_theta=..., rms_norm_eps=...)
@@ -112,6 +113,7 @@ def test_model_table_accepts_agreeing_keys_and_refuses_disagreeing_ones(tmp_path
     refused(hfconfig.model_table, f"hf:{d}", {"n_kv_heads": 4}, fragments=["model.n_kv_heads = 4", "gives 2"])
     refused(hfconfig.model_table, f"hf:{d}", {"tie_embeddings": True}, fragments=["model.tie_embeddings = True"])
     refused(hfconfig.model_table, f"hf:{d}", {"norm_eps": 1e-6}, fragments=["model.norm_eps = 1e-06", "1e-05"])
+    refused(hfconfig.model_table, f"hf:{d}", {"mlp": "gelu"}, fragments=["model.mlp = 'gelu'", "gives 'swiglu'"])
 
 
 @pytest.mark.parametrize("change,fragments", [

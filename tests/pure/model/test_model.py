@@ -40,6 +40,18 @@ def test_gqa_and_tied_embeddings_count() -> None:
     assert m(torch.randint(0, 256, (2, 5))).shape == (2, 5, 256)
 
 
+def test_gelu_mlp_has_two_matrices_and_gpt_width() -> None:
+    m = _model(mlp="gelu")
+    ff = m.layers["0"].feed_forward
+    assert ff.w3 is None and ff.w1.weight.shape == (4 * 32, 32) and ff.w2.weight.shape == (32, 4 * 32)
+    assert sum(p.numel() for p in m.parameters()) == m.dims.num_params()
+    assert {n for n, _ in m.named_parameters()} == set(m.dims.param_shapes())
+    x = torch.randn(2, 5, 32)
+    assert torch.equal(ff(x), ff.w2(F.gelu(ff.w1(x), approximate="tanh")))
+    with pytest.raises(ValueError, match="model.mlp = 'relu' is not one of"):
+        ModelConfig(mlp="relu")
+
+
 def test_native_gqa_where_a_kernel_reads_grouped_heads() -> None:
     """enable_gqa on CPUs and for CUDA flash (fp16/bf16, not ROCm); repeat where only the memory-efficient
     kernel fits (CUDA fp32), which rejects grouped heads, and where this torch lacks the argument."""

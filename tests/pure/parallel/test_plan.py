@@ -66,8 +66,6 @@ def test_no_training_no_model() -> None:
      "model.n_heads = 3 is not divisible by parallel.tp = 2"),
     (["train.global_batch_size=30", "train.grad_accum=4"], [0, 0],
      "train.global_batch_size = 30 is not divisible by dp(2) x train.grad_accum(4) = 8"),
-    (["parallel.tp=2", "parallel.zero_stage=1"], [0] * 4, "parallel.zero_stage = 1 with parallel.tp = 2 is not "
-                                                          "supported"),
     (["parallel.pp=2"], [0, 0], "train.grad_accum = 1 micro-batches: 1F1B needs at least pp = 2"),
 ])
 def test_bad_configs_keep_their_messages(sets, nodes, message) -> None:

@@ -22,7 +22,7 @@ CASES = {
     "gpu4x8_ac_every": ("slurm/examples/gpu-4x8.toml", ["train.ac=every", "train.ac_every=3"]),
     "gpu4x8_ac_full_z3": ("slurm/examples/gpu-4x8.toml", ["train.ac=full", "parallel.zero_stage=3"]),
 }
-KEYS = ("memory_gb_per_gpu", "peak_gb", "activations_gb", "step_time_s", "tokens_per_s", "mfu", "hfu", "fits",
+KEYS = ("memory_gib_per_gpu", "peak_gib", "activations_gib", "step_time_s", "tokens_per_s", "mfu", "hfu", "fits",
         "time_terms", "notes")
 
 
@@ -41,7 +41,7 @@ def answers() -> dict:
         out[f"doctor/{name}"] = doctor.expected_figures(name)
     fit, why = search.search(load_config(REPO / "slurm/examples/gpu-4x8.toml", []), hardware.profile("h100-sxm"),
                              5.0, 6000.0, 64)
-    out["search"] = [[o["layout"], o["step_time_s"], o["memory_gb_per_gpu"]] for o in fit[:20]]
+    out["search"] = [[o["layout"], o["step_time_s"], o["memory_gib_per_gpu"]] for o in fit[:20]]
     out["search_refused"] = why
     for n in (1, 2, 5, 7, 80):
         for ac in ("none", "full", "every"):

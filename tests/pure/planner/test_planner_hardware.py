@@ -34,7 +34,7 @@ def test_exactly_the_issue_profiles():
 def test_profile_complete_and_positive(name):
     hw = PROFILES[name]
     assert hw.peak_tflops and set(hw.peak_tflops) <= set(DTYPES)
-    for value in [*hw.peak_tflops.values(), hw.memory_gb, hw.intra_node_gbps, hw.inter_node_gbps]:
+    for value in [*hw.peak_tflops.values(), hw.memory_gib, hw.intra_node_gbps, hw.inter_node_gbps]:
         assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0
     assert isinstance(hw.gpus_per_node, int) and hw.gpus_per_node > 0
     assert hw.source.strip()
@@ -69,7 +69,7 @@ def test_documented_figures():
     """The figures the report and the comments state (dense: sparse datasheet figures halved)."""
     assert PROFILES["h100-pcie"].peak("bf16") == 756.5 and PROFILES["h100-pcie"].peak("fp32") == 51.0
     assert PROFILES["h100-sxm"].intra_node_gbps == 450 and PROFILES["h100-sxm"].inter_node_gbps == 50
-    assert PROFILES["a100-40g"].memory_gb == 40 and PROFILES["a100-40g"].inter_node_gbps == 25
+    assert PROFILES["a100-40g"].memory_gib == 40 and PROFILES["a100-40g"].inter_node_gbps == 25
     assert PROFILES["mi250x"].peak("bf16") == 383.0 / 2 and "tf32" not in PROFILES["mi250x"].peak_tflops
 
 
@@ -92,7 +92,7 @@ CITED = {
 def test_figures_match_cited_sources(name):
     memory, intra, inter, fp32, bf16, fp8 = CITED[name]
     hw = PROFILES[name]
-    assert (hw.memory_gb, hw.intra_node_gbps, hw.inter_node_gbps) == pytest.approx((memory, intra, inter))
+    assert (hw.memory_gib, hw.intra_node_gbps, hw.inter_node_gbps) == pytest.approx((memory, intra, inter))
     assert (hw.peak("fp32"), hw.peak("bf16")) == pytest.approx((fp32, bf16))
     assert "fp8" not in hw.peak_tflops if fp8 is None else hw.peak("fp8") == pytest.approx(fp8)
 
@@ -116,24 +116,24 @@ def test_unknown_profile_lists_valid_names():
 def test_overrides_apply_to_a_copy():
     hw = profile("a100-80g", {"inter_node_gbps": 12.5, "peak_bf16": 250, "peak_fp8": 500, "gpus_per_node": 4})
     assert (hw.inter_node_gbps, hw.peak("bf16"), hw.peak("fp8"), hw.gpus_per_node) == (12.5, 250.0, 500.0, 4)
-    assert hw.peak("fp32") == 19.5 and hw.memory_gb == 80 and hw.name == "a100-80g"
+    assert hw.peak("fp32") == 19.5 and hw.memory_gib == 80 and hw.name == "a100-80g"
     assert "overridden: inter_node_gbps=12.5, peak_bf16=250" in hw.source
     base = PROFILES["a100-80g"]
     assert (base.inter_node_gbps, base.peak("bf16"), base.gpus_per_node) == (25, 312.0, 8)
     assert "fp8" not in base.peak_tflops and "fp8" not in PROFILES["a100-40g"].peak_tflops  # shared dict untouched
     assert profile("h200") is PROFILES["h200"] and profile("h200", {}) is PROFILES["h200"]
-    assert PROFILES["h200"].with_overrides(memory_gb=96).memory_gb == 96
+    assert PROFILES["h200"].with_overrides(memory_gib=96).memory_gib == 96
 
 
 def test_profiles_are_read_only():
     with pytest.raises(TypeError):
         PROFILES["h100-sxm"].peak_tflops["bf16"] = 1.0  # type: ignore[index]
     with pytest.raises(AttributeError):
-        PROFILES["h100-sxm"].memory_gb = 1  # type: ignore[misc]
+        PROFILES["h100-sxm"].memory_gib = 1  # type: ignore[misc]
 
 
 def test_unknown_override_named_with_valid_keys():
-    with pytest.raises(ValueError, match=r"unknown override\(s\) 'memory_GB'; valid: memory_gb, .*peak_fp8"):
+    with pytest.raises(ValueError, match=r"unknown override\(s\) 'memory_GB'; valid: memory_gib, .*peak_fp8"):
         profile("h100-sxm", {"memory_GB": 80})
     with pytest.raises(ValueError, match=r"unknown override\(s\) 'peak_int8'"):
         profile("h100-sxm", {"peak_int8": 1.0})
@@ -141,7 +141,7 @@ def test_unknown_override_named_with_valid_keys():
 
 
 @pytest.mark.parametrize("key, value", [
-    ("memory_gb", -80), ("memory_gb", 0), ("intra_node_gbps", math.nan), ("inter_node_gbps", math.inf),
+    ("memory_gib", -80), ("memory_gib", 0), ("intra_node_gbps", math.nan), ("inter_node_gbps", math.inf),
     ("peak_bf16", "989"), ("peak_bf16", True), ("peak_fp32", None), ("gpus_per_node", 4.5), ("gpus_per_node", 0),
 ])
 def test_override_values_must_be_positive_numbers(key, value):
@@ -151,7 +151,7 @@ def test_override_values_must_be_positive_numbers(key, value):
 
 def test_overrides_must_be_a_table():
     with pytest.raises(ValueError, match=r"overrides for b200 must be a table of named figures, not \[\("):
-        profile("b200", [("memory_gb", 1)])  # type: ignore[arg-type]
+        profile("b200", [("memory_gib", 1)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"overrides for b200 must be a table of named figures, not \{1: 2\}"):
         profile("b200", {1: 2})  # type: ignore[dict-item]
 
@@ -263,7 +263,7 @@ def test_oversized_file_refused(tmp_path, monkeypatch):
 
 def test_parse_figures_names_the_bad_item():
     assert hardware.parse_figures(["peak_bf16=700", " gpus_per_node=4"]) == {"peak_bf16": 700.0, "gpus_per_node": 4}
-    for item, fragment in (("inter_gbps=25", "KEY one of memory_gb"), ("inter_node_gbps", "KEY=VALUE"),
+    for item, fragment in (("inter_gbps=25", "KEY one of memory_gib"), ("inter_node_gbps", "KEY=VALUE"),
                            ("inter_node_gbps=fast", "'fast' is not a number"), ("gpus_per_node=2.5", "not a number")):
         with pytest.raises(ValueError, match=f"--hw {item!r}"):
             hardware.parse_figures([item])
@@ -291,5 +291,5 @@ def test_plan_cli_takes_figures_and_bench_links(tmp_path):
     assert both["time_basis"]["dp_link_gbps"] == 100
     _, half = plan("--hw", f"peak_bf16={profile('h100-sxm').peak('bf16') / 2}")
     assert half["time_terms"]["compute_s"] == pytest.approx(2 * base["time_terms"]["compute_s"])
-    code, text = plan("--hw", "memory_gb=-1")
-    assert code == 2 and "memory_gb=-1.0 must be a positive finite number" in text
+    code, text = plan("--hw", "memory_gib=-1")
+    assert code == 2 and "memory_gib=-1.0 must be a positive finite number" in text

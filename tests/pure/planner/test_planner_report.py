@@ -41,11 +41,11 @@ def test_70b_fits_with_zero3_and_not_without() -> None:
     ok = evaluate(cfg, profile("h100-sxm"), 5.0)
     assert ok["fits"] and ok["layout"] == {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3}
     # 70.55e9 parameters / tp 8: ZeRO-3 shards 16 bytes each over dp 16
-    assert sum(ok["model_states_gb"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
-        70.554e9 / 8 * 16 / 16 / 1e9, rel=0.01)
+    assert sum(ok["model_states_gib"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
+        70.554e9 / 8 * 16 / 16 / 2 ** 30, rel=0.01)
     # memory per GPU: the step's peak (planner.peak) plus the margin; the peak holds the states and activations
-    assert ok["memory_gb_per_gpu"] == pytest.approx(ok["peak_gb"] * 1.1)
-    assert ok["peak_gb"] > ok["model_states_gb"]["total"] + ok["activations_gb"] and ok["peak_phase"] == "backward"
+    assert ok["memory_gib_per_gpu"] == pytest.approx(ok["peak_gib"] * 1.1)
+    assert ok["peak_gib"] > ok["model_states_gib"]["total"] + ok["activations_gib"] and ok["peak_phase"] == "backward"
     assert ok["step_time_s"] > 0 and 0 < ok["mfu"] <= ok["hfu"] < 1
     bad = evaluate(load_config(LLAMA, ["parallel.zero_stage=0"]), profile("a100-40g"), 5.0)
     assert not bad["fits"] and any("does not fit:" in n and "activations" in n for n in bad["notes"])
@@ -64,7 +64,7 @@ def test_plan_command(tmp_path) -> None:
                               "parallel.dp=32"])
     got = json.loads(out.output)
     assert got["gpu"] == "h200" and got["layout"]["tp"] == 4 and set(got) >= {
-        "memory_gb_per_gpu", "step_time_s", "tokens_per_s", "checkpoint", "fits", "notes"}
+        "memory_gib_per_gpu", "step_time_s", "tokens_per_s", "checkpoint", "fits", "notes"}
     for args, fragment in ((["--gpu", "x100"], "unknown hardware profile 'x100'"),
                            (["--set", "parallel.tp=3"], "tp"), (["--storage-gbps", "-1"], "storage_gbps = -1")):
         r = runner.invoke(cli, ["plan", str(LLAMA), *args])
@@ -75,15 +75,16 @@ def test_plan_command(tmp_path) -> None:
 def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
     runner = CliRunner()
     ok = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100-sxm"])
-    assert ok.exit_code == 0 and "planner: memory per GPU: 62.38 GB of 80 GB (parameters 2.21" in ok.output, ok.output
+    assert ok.exit_code == 0 and "planner: memory per GPU: 58.10 GiB of 80 GiB (GiB: parameters 2.05" in ok.output, \
+        ok.output
     args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
     bad = runner.invoke(cli, args)
-    assert bad.exit_code == 2 and "does not fit on a100-40g: 202.1 GB per GPU predicted of 40 GB (parameters 35.3" \
-        in bad.output and "#SBATCH" not in bad.output, bad.output
+    assert bad.exit_code == 2 and "does not fit on a100-40g: 188.3 GiB per GPU predicted of 40 GiB (GiB: " \
+        "parameters 32.9" in bad.output and "#SBATCH" not in bad.output, bad.output
     forced = runner.invoke(cli, args + ["--no-memory-check"])
     assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
     named = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run"])  # the example names its GPU
-    assert named.exit_code == 0 and "planner: memory per GPU: 62.38 GB of 80 GB" in named.output, named.output
+    assert named.exit_code == 0 and "planner: memory per GPU: 58.10 GiB of 80 GiB" in named.output, named.output
     unnamed = runner.invoke(cli, ["submit", str(REPO / "slurm" / "examples" / "gpu-4x8.toml"), "--dry-run"])
     assert unnamed.exit_code == 0 and "set job.gpu" in unnamed.output
     wrong = runner.invoke(cli, ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=h100"])
