@@ -203,9 +203,16 @@ class Watchdog:
         while not self._stop.wait(self.limits.poll_s):
             now = time.monotonic()
             # this thread could not run for a while: the process was stopped (SIGSTOP, until Slurm's SIGCONT) or
-            # something held the GIL; a hang seen right after is not this rank's answer in time
+            # something held the GIL; a hang seen right after is not this rank's answer in time. Between two looks
+            # (frozen) or during this one (frozen_since: the look's own store call waits at most STORE_WAIT_S; a
+            # stop that lands after `now` is over by the time the request is seen, CI-22)
             frozen = now - last - self.limits.poll_s if now - last > 3 * self.limits.poll_s + 1 else 0.0
             last = now
+
+            def frozen_since(start: float = now, before: float = frozen) -> float:
+                body = time.monotonic() - start
+                return max(before, body - STORE_WAIT_S) if body > 3 * self.limits.poll_s + 1 + STORE_WAIT_S \
+                    else before
             self.hb.tick()
             if now - flushed >= self.limits.flush_s:
                 try:
@@ -217,9 +224,9 @@ class Watchdog:
             idle = self.idle(now)
             if idle > limit:
                 self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} (limit {limit:.4g} s: {setting})", True,
-                           frozen)
+                           frozen_since())
             elif (asked := self._asked_now(request)) is not None:
-                self._hang(f"asked by another rank's watchdog ({asked})", False, frozen)
+                self._hang(f"asked by another rank's watchdog ({asked})", False, frozen_since())
             elif idle > self.limits.step_s / 2 and self.in_first_step():
                 silent = self.silent_peers()  # at most PEERS_WATCHED small reads a poll, in this window only
                 if silent and idle > self.limits.step_s:
@@ -227,7 +234,7 @@ class Watchdog:
                     self._hang(f"no progress for {idle:.0f} s in {self.hb.phase} of the first step while the "
                                f"watchdog of {who} was silent: stopped, dead or stuck (limit "
                                f"{self.limits.step_s:g} s: parallel.hang_timeout_s; the first step's long limit "
-                               f"holds while every rank is alive)", True, frozen)
+                               f"holds while every rank is alive)", True, frozen_since())
 
     def silent_peers(self) -> list[tuple[int, float]]:
         """(rank, seconds) of the next PEERS_WATCHED ranks whose tick has not changed for longer than the step limit

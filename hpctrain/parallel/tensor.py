@@ -37,6 +37,47 @@ def tp_plan(block_prefix: str, sequence_parallel: bool, mlp: str = "swiglu") -> 
     return plan
 
 
+class VocabShardEmbedding(torch.nn.Embedding):
+    """The tp rank's rows of the vocabulary, looked up as Megatron's vocab-parallel embedding does: token ids
+    outside the rank's rows give zeros, and one all-reduce (a reduce-scatter over the sequence with sequence
+    parallel) sums the ranks' partial outputs. The backward writes the gradient of the rank's rows only, in
+    place: torch's DTensor embedding (RowwiseParallel) computes the weight's gradient as a partial sum over the
+    whole table and reduce-scatters it, every micro-batch (a vocabulary x width fp32 buffer on every rank and a
+    collective of its size). The weight stays the DTensor parameter, Shard(0) over tp (checkpoints, FSDP and tied
+    output weights see what they saw). Apply with VocabParallel, never by hand."""
+
+    output_layout: Any = None  # Replicate() or, with sequence parallel, Shard(1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Partial
+        w = self.weight  # under FSDP: its gathered tp shard
+        local = w.to_local()
+        rows = local.shape[0]
+        ids = tokens - w.device_mesh.get_local_rank() * rows
+        outside = (ids < 0) | (ids >= rows)
+        out = torch.nn.functional.embedding(ids.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0)
+        summed = DTensor.from_local(out, w.device_mesh, [Partial()], run_check=False)
+        return summed.redistribute(w.device_mesh, [self.output_layout]).to_local()
+
+
+def vocab_parallel(output_layout):
+    """A ParallelStyle for the embedding (a parallelize_module plan entry): its weight sharded by rows over tp,
+    looked up by VocabShardEmbedding."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class VocabParallel(ParallelStyle):
+        def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+            if type(module) is not torch.nn.Embedding:
+                raise TypeError(f"vocab_parallel shards an nn.Embedding, not {type(module).__name__}")
+            module.weight = torch.nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)]))
+            module.__class__ = VocabShardEmbedding
+            module.output_layout = output_layout
+            return module
+
+    return VocabParallel()
+
+
 class SequenceGather:
     """The input gather of a sequence-parallel attention or MLP (a forward pre-hook: the norm's output, sharded
     along the sequence, gathered whole; its backward reduce-scatters the gradient), and, with keep_shard, saved-tensor
@@ -116,11 +157,11 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel
     """Vocab-parallel embedding and output, and the per-block plan, on the node-local tp mesh. `recomputed`: the
     keys of the blocks activation checkpointing will recompute (they keep only their input; the others keep the
     sequence-sharded inputs of their projections: SequenceGather)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {}
     if model.tok_embeddings is not None:  # a pipeline stage may lack the embedding or the output
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        plan["tok_embeddings"] = vocab_parallel(seq)
     if model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                          use_local_output=not loss_parallel)

@@ -11,9 +11,8 @@ What each rank holds (P: the parameters of its pipeline stages, each cut by tens
   zero 3 (FSDP2): a dim-0 shard, padded to ceil(rows / N) rows on every rank. zero 2, and zero 3 under pipeline
   parallel (parallel.data.reshard_after_forward): the gathered parameters (N padded shards) in the compute dtype
   (bf16/fp16 under mixed precision, else fp32) held from forward to the end of backward, beside the fp32 shard.
-- gradients: fp32 like the masters: P for zero 0-1, plus, under tensor parallel, the whole embedding table's on
-  the rank that holds the embedding (the vocab-parallel embedding's backward writes a full-size gradient); the
-  padded shard for zero 2-3 (FSDP reduce-scatters into it).
+- gradients: fp32 like the masters: P for zero 0-1 (the vocab-parallel embedding writes its rows' gradient only:
+  parallel.tensor.VocabShardEmbedding); the padded shard for zero 2-3 (FSDP reduce-scatters into it).
 - AdamW (exp_avg, exp_avg_sq): twice the masters' local elements in fp32 (FSDP: the unpadded shard); ZeRO-1
   only for the parameters ZeroRedundancyOptimizer gives the rank: whole tensors, largest first, each to the rank
   with the fewest elements so far (its greedy partition, per parameter group: matrices, then 1-D parameters).
@@ -90,11 +89,8 @@ def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords) ->
     local = {k: tp_local(k, s, tp) for k, s in shapes.items()}
     whole = sum(math.prod(s) for s in local.values())
     if zero in (-1, 0, 1):
-        # the vocab-parallel embedding's backward writes a gradient of the whole table on every tp rank
-        emb = shapes.get("tok_embeddings.weight")
-        extra = math.prod(emb) - math.prod(local["tok_embeddings.weight"]) if emb and tp > 1 else 0
         optimizer = 8 * (zero1_partition(local, n)[coords.dp] if zero == 1 else whole)
-        return {"params": 4 * whole, "grads": 4 * (whole + extra), "optimizer": optimizer}
+        return {"params": 4 * whole, "grads": 4 * whole, "optimizer": optimizer}
     padded = sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values())
     held = sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values())
     gathered = zero == 2 or plan.stages is not None  # parameters stay whole (padded rows too) through the step

@@ -3,10 +3,13 @@
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/cluster/doctor/test_doctor_system.py
 
 mpiexec (two named nodes of 2 ranks) and Slurm (`hpctrain doctor CONFIG`: submitted, waited for, the table
-printed): a healthy run exits 0, a node measuring 10x slower by the test seam (SEAM_DOCTOR_SLOW and tests/plugins on
-PYTHONPATH, passed to the tasks through sbatch's environment; tests/plugins/seams.py) exits 1 with its --exclude=
-line. A training job with job.preflight = true and a
-slowed node is requeued without it (the local cluster has 3 nodes) and trains on the two others.
+printed): a healthy run exits 0, a node measuring 100x slower by the test seam (SEAM_DOCTOR_SLOW and tests/plugins
+on PYTHONPATH, passed to the tasks through sbatch's environment; tests/plugins/seams.py) exits 1 with its --exclude=
+line. These two run beside other tests: their doctor fails a value only below 0.05 x its peers' median (--margin,
+--storage-margin 0.95), which the seam's factor 100 crosses and a neighbour's load on this host's two cores does
+not (it moves rates by a few times). A training job with job.preflight = true and a slowed node is requeued
+without it (the local cluster has 3 nodes) and trains on the two others: the preflight judges with the default
+margins, so that test runs alone.
 """
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ from faults import record
 from helpers.launch import EXAMPLE, PLUGINS, hpctrain, required, run_mpiexec, seam_env
 from helpers.runs import only_run_dir
 
-pytestmark = pytest.mark.alone  # the doctor judges speeds measured on this shared host
+WIDE = ["--margin", "0.95", "--storage-margin", "0.95"]  # fail only below 0.05 x the median (module docstring)
+SLOW = "100"  # the seam's factor
 
 
 def _doctor(root, *extra: str) -> list[str]:
     return [sys.executable, "-m", "hpctrain.cli", "doctor", str(EXAMPLE), "--here", "--set",
-            f"job.run_root={root}", "--storage-mb", "32", *extra]
+            f"job.run_root={root}", "--storage-mb", "32", *WIDE, *extra]
 
 
 @pytest.mark.mpi
@@ -36,7 +40,7 @@ def test_doctor_under_mpiexec_flags_the_slowed_node(mpiexec, tmp_path) -> None:
         root = tmp_path / (slow or "healthy")
         cmd = _doctor(root)
         t0 = time.monotonic()
-        seam = ["-env", "PYTHONPATH", str(PLUGINS), "-env", "SEAM_DOCTOR_SLOW", slow]
+        seam = ["-env", "PYTHONPATH", str(PLUGINS), "-env", "SEAM_DOCTOR_SLOW", f"{slow}:{SLOW}" if slow else ""]
         out = run_mpiexec(mpiexec, ["-n", "2", "-env", "SLURMD_NODENAME", "a", *seam] + cmd,
                           ["-n", "2", "-env", "SLURMD_NODENAME", "b", *seam] + cmd)
         seconds = time.monotonic() - t0
@@ -49,7 +53,7 @@ def test_doctor_under_mpiexec_flags_the_slowed_node(mpiexec, tmp_path) -> None:
         assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
         assert "FAILED nodes: b" in out.stdout and "exclude them: --exclude=b" in out.stdout
         assert report["failed_nodes"] == ["b"]
-        record("a node measuring 10x slower (SEAM_DOCTOR_SLOW) under mpiexec, 2 named nodes x 2 ranks",
+        record("a node measuring 100x slower (SEAM_DOCTOR_SLOW) under mpiexec, 2 named nodes x 2 ranks",
                "hpctrain doctor --here exits 1 naming it, with --exclude=b", seconds, "mpi")
 
 
@@ -65,7 +69,7 @@ def _when_idle(timeout_s: float = 300) -> None:
 @pytest.mark.faults
 def test_doctor_submitted_to_slurm(slurm_cluster, tmp_path, monkeypatch) -> None:
     _when_idle()
-    out = hpctrain("doctor", str(EXAMPLE), "--set", f"job.run_root={tmp_path / 'healthy'}", timeout=400)
+    out = hpctrain("doctor", str(EXAMPLE), *WIDE, "--set", f"job.run_root={tmp_path / 'healthy'}", timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "executor: slurm" in out.stdout and "PASSED: every check is within bounds" in out.stdout
     report = json.loads((only_run_dir(tmp_path / "healthy") / "doctor.json").read_text())
@@ -73,19 +77,21 @@ def test_doctor_submitted_to_slurm(slurm_cluster, tmp_path, monkeypatch) -> None
     # set by hpctrain for the mpich wheel before MPI starts (rendezvous.mpi_environment): the summary shows it
     assert "MPIR_CVAR_CH4_NETMOD=ofi" in out.stdout
     _when_idle()
-    for var, value in seam_env(SEAM_DOCTOR_SLOW="n2").items():  # through sbatch's environment to the tasks
+    for var, value in seam_env(SEAM_DOCTOR_SLOW=f"n2:{SLOW}").items():  # through sbatch's environment to the tasks
         monkeypatch.setenv(var, value)
     t0 = time.monotonic()
-    out = hpctrain("doctor", str(EXAMPLE), "--json", "--set", f"job.run_root={tmp_path / 'slowed'}", timeout=400)
+    out = hpctrain("doctor", str(EXAMPLE), "--json", *WIDE, "--set", f"job.run_root={tmp_path / 'slowed'}",
+                   timeout=400)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(out.stdout)  # --json: only the report on stdout, the job's progress on stderr
     assert report["failed_nodes"] == ["n2"] and report["exclude"] == "--exclude=n2"
-    record("a node measuring 10x slower (SEAM_DOCTOR_SLOW) in a 2-node Slurm job", "hpctrain doctor exits 1 with "
+    record("a node measuring 100x slower (SEAM_DOCTOR_SLOW) in a 2-node Slurm job", "hpctrain doctor exits 1 with "
            "--exclude=n2 (JSON with --json)", time.monotonic() - t0, "slurm")
 
 
 @pytest.mark.slurm
 @pytest.mark.faults
+@pytest.mark.alone  # the preflight judges speeds measured on this shared host, with the default margins
 def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, monkeypatch) -> None:
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=20).stdout.split()
     if len(set(nodes)) < 3:  # a 2-node job needs a third node to move to

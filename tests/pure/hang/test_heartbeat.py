@@ -149,6 +149,23 @@ def test_plot_per_rank_step_times(tmp_path) -> None:
 
 
 @pytest.mark.faults
+def test_a_stop_during_a_look_is_a_freeze(tmp_path, monkeypatch) -> None:
+    """CI-22: a rank stopped (SIGSTOP) while its watchdog was in the middle of a look, not between two, woke at the
+    job's requeue (SIGCONT), finished that look, found the hang request and dumped with frozen_s 0: diagnose
+    counted the stopped rank as one that answered in time. The look itself stalling past its bounded store wait is
+    a freeze too (here the look's request check blocks for 4 s, as a stopped process would)."""
+    dog, hb, ended = a_watchdog(tmp_path, monkeypatch, watchdog.Limits(step_s=2, long_s=60), "forward", step=1)
+    hb.begin_training(0)  # the first step: the long limit holds, so only the request ends it
+
+    def stopped_then_asked(request):
+        time.sleep(4)
+        return "another rank's request"
+    monkeypatch.setattr(dog, "_asked_now", stopped_then_asked)
+    until_ended(ended, "the watchdog never answered the request")
+    header, _ = diagnose.parse_dump(watchdog.hang_path(tmp_path, 2).read_text())
+    assert header["reason"].startswith("asked by another rank's watchdog") and header["frozen_s"] >= 2, header
+
+
 def test_the_watchdog_reads_hang_request_bounded(tmp_path, monkeypatch) -> None:
     """hang/request nested past json's recursion killed the watchdog thread (RecursionError); a FIFO there blocked
     it for good. Both are unreadable requests now: answered with a dump (one too many rather than none)."""

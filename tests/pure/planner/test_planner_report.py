@@ -79,7 +79,7 @@ def test_dry_run_prints_the_prediction_and_refuses_what_cannot_fit() -> None:
         ok.output
     args = ["submit", str(LLAMA), "--dry-run", "--set", "job.gpu=a100-40g", "--set", "parallel.zero_stage=0"]
     bad = runner.invoke(cli, args)
-    assert bad.exit_code == 2 and "does not fit on a100-40g: 188.3 GiB per GPU predicted of 40 GiB (GiB: " \
+    assert bad.exit_code == 2 and "does not fit on a100-40g: 180.7 GiB per GPU predicted of 40 GiB (GiB: " \
         "parameters 32.9" in bad.output and "#SBATCH" not in bad.output, bad.output
     forced = runner.invoke(cli, args + ["--no-memory-check"])
     assert forced.exit_code == 0 and "DOES NOT FIT" in forced.output and "#SBATCH" in forced.output
