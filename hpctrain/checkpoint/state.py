@@ -43,15 +43,35 @@ class ModelState(Stateful):
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def renamed(sd: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """Flat optimizer keys with each parameter name of `aliases` replaced by its alias ("state.<name>.<key>",
+    "param_groups.<name>.<key>")."""
+    if not aliases:
+        return sd
+    out = {}
+    for key, value in sd.items():
+        kind, _, rest = key.partition(".")
+        for name, alias in aliases.items():
+            if rest.startswith(name + "."):
+                key = f"{kind}.{alias}{rest[len(name):]}"
+        out[key] = value
+    return out
+
+
 class OptimizerState(Stateful):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    """aliases: parameter name -> the name its entries are saved under (a pipeline's tied output projection holds
+    the embedding's state, saved as the embedding's: parallel.pipeline.TiedEmbedding)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 aliases: dict[str, str] | None = None) -> None:
+        self.model, self.optimizer, self.aliases = model, optimizer, aliases or {}
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+        return renamed(get_optimizer_state_dict(self.model, self.optimizer, options=FLAT), self.aliases)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, sd, options=FLAT)
+        back = {alias: name for name, alias in self.aliases.items()}
+        set_optimizer_state_dict(self.model, self.optimizer, renamed(sd, back), options=FLAT)
 
 
 class ZeroOneOptimizerState(Stateful):
@@ -61,10 +81,11 @@ class ZeroOneOptimizerState(Stateful):
     the local shards of tensor-parallel parameters (zero.params_of maps each to its parameter): their moments are
     saved as DTensors with the parameter's mesh and placements, as a plain optimizer's are."""
 
-    def __init__(self, model: torch.nn.Module, zero) -> None:
+    def __init__(self, model: torch.nn.Module, zero, aliases: dict[str, str] | None = None) -> None:
         self.zero = zero
+        aliases = aliases or {}
         names = {p: clean_name(n) for n, p in model.named_parameters()}
-        self.names = {held: names[p] for held, p in zero.params_of.items()}
+        self.names = {held: aliases.get(names[p], names[p]) for held, p in zero.params_of.items()}
 
     def _owned(self) -> list[torch.Tensor]:
         return [p for g in self.zero.optim.param_groups for p in g["params"]]

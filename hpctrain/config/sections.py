@@ -66,6 +66,10 @@ class JobConfig:
     # `hpctrain doctor`'s checks on training's own groups, after the mesh and before the model; under Slurm a job
     # with a failed node is requeued without it (hpctrain/doctor/measure.py preflight)
     preflight: bool = False
+    # the preflight's margin: a GEMM, bandwidth or storage rate fails below (1 - margin) x its peers' median, as
+    # `hpctrain doctor --margin` and `--storage-margin` (a site sets it for its own nodes); 0: the doctor's defaults
+    # (0.2 on GPUs, 0.6 on CPUs; storage 0.5)
+    preflight_margin: float = 0.0
     # requeues of a Slurm job without its bad nodes, at most this many per run, the preflight's (job.preflight: the
     # failed nodes) and a hang's (the nodes of ranks that left no hang dump) counted together; the job resumes from
     # its last checkpoint (hpctrain/job/requeue.py, history in RUN_DIR/requeues.jsonl); 0: such a job just ends
@@ -83,6 +87,8 @@ class JobConfig:
         positive("job", self, "nodes", "tasks_per_node", "cpus_per_task", "time_min")
         positive("job", self, "gpus_per_node", "mem_gb", "signal_delay_s", "wait_timeout_s", "node_requeues",
                  "nofile", allow_zero=True)
+        check(self.preflight_margin == 0 or 0 < self.preflight_margin < 1,
+               f"job.preflight_margin = {self.preflight_margin} must be 0 (the doctor's defaults) or between 0 and 1")
         ranks = self.nodes * self.tasks_per_node
         check(ranks <= MAX_WORLD_SIZE, f"job.nodes = {self.nodes} x job.tasks_per_node = {self.tasks_per_node} = "
                f"{ranks} ranks, more than the {MAX_WORLD_SIZE} hpctrain plans for")
@@ -200,7 +206,7 @@ class ModelConfig:
     ffn_dim: int = 0  # 0: about 8/3 * dim rounded up to a multiple of 64 (swiglu), 4 * dim (gelu)
     mlp: str = "swiglu"  # swiglu (Llama: gate, up and down matrices) | gelu (GPT: two matrices, tanh GeLU)
     max_seq_len: int = 256  # longest sequence the rotary tables cover; data.seq_len must not exceed it
-    tie_embeddings: bool = False  # the output layer shares the embedding's weights (refused with pp > 1)
+    tie_embeddings: bool = False  # the output layer shares the embedding's weights (pp > 1: a synchronised copy)
     rope_theta: float = 10000.0  # RoPE base; train.init_from = "hf:PATH" takes it (and the sizes) from config.json
     norm_eps: float = 1e-5  # RMSNorm epsilon
 

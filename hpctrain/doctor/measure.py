@@ -262,7 +262,9 @@ def preflight(s: session.Session) -> bool:
     measurements), and requeued as training is before its first step. Otherwise a failure raises with the
     table."""
     try:
-        report = run(s, Options(axes=PREFLIGHT_AXES), stop=lambda: s.preempt.poll(s.device))
+        margin = s.cfg.job.preflight_margin or None
+        rules = {"margin": margin, "storage_margin": margin}
+        report = run(s, Options(rules=rules, axes=PREFLIGHT_AXES), stop=lambda: s.preempt.poll(s.device))
     except Preempted:
         said = preempt.requeue() if s.rank == 0 else None
         s.summary["preflight"] = {"preempted": True, "requeue": said}

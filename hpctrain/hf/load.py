@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from hpctrain.config.hf import read_json_object
 from hpctrain.model.dims import ModelDims
-from hpctrain.model.transformer import clean_name
+from hpctrain.model.transformer import clean_name, weight_of
 from hpctrain.parallel.materialize import shard_box
 
 # names as in hpctrain.model.transformer.Transformer -> LlamaForCausalLM's; BLOCK_NAMES are under layers.{i}.
@@ -194,7 +194,7 @@ def load_hf(model: nn.Module, dims: ModelDims, directory: Path) -> dict[str, Any
         _check_headers(handles, found, dims, where)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                n = clean_name(name)
+                n = weight_of(clean_name(name), dims)  # a pipeline's tied output: the embedding's weights
                 key = hf_name(n)
                 if key not in found:  # only lm_head of a tied model, which shares the embedding's parameter
                     raise ValueError(f"{where}: {key} is missing")

@@ -22,7 +22,7 @@ from torch import nn
 
 from hpctrain.model.dims import ModelDims
 
-__all__ = ["ModelDims", "Transformer", "clean_name", "init_slice", "init_value"]
+__all__ = ["ModelDims", "Transformer", "clean_name", "init_slice", "init_value", "weight_of"]
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -205,6 +205,12 @@ def clean_name(name: str) -> str:
     for junk in ("_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(junk, "")
     return name.removeprefix("module.")
+
+
+def weight_of(name: str, dims: ModelDims) -> str:
+    """The weight a parameter holds: with tied embeddings the output projection is the embedding (a pipeline's
+    last stage holds it as output.weight without the embedding module beside it), initialised and loaded as it."""
+    return "tok_embeddings.weight" if dims.tie_embeddings and name == "output.weight" else name
 
 
 INIT_TILE = (16, 1024)  # (rows, columns) of the 2-D view that one generator fills: 64 KiB of fp32

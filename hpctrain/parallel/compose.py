@@ -47,6 +47,7 @@ class ParallelModel:
     # fills the weights from the seeded init; None once filled, or when a checkpoint has filled them
     unfilled: Callable[[], None] | None = None
     device_type: str = "cpu"  # where the weights live: autocast's device type
+    tied: pipeline.TiedEmbedding | None = None  # tied embeddings whose two copies live on two pipeline ranks
 
     def fill(self) -> bool:
         """Fills the weights from the seeded init unless done (or loaded) already; True if it filled now."""
@@ -63,6 +64,8 @@ class ParallelModel:
         """Around a forward and backward: the gradient sync of the last micro-step, loss parallel (its backward
         must run inside it too), and with `autocast` autocast for layouts without FSDP's mixed precision."""
         ctx = contextlib.ExitStack()
+        if self.tied is not None and last_micro_step:  # entered first, so it runs after the dp reduction
+            ctx.enter_context(_after(self.tied.sync))
         ctx.enter_context(self.sync(last_micro_step))
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -106,4 +109,12 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
                                      compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16")
     autocast = None if zero in (2, 3) else low  # FSDP casts parameters itself; master weights stay fp32 in shards
-    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type)
+    tied = pipeline.TiedEmbedding.build(model, stages, mesh) if stages else None
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type, tied)
+
+
+@contextlib.contextmanager
+def _after(fn: Callable[[], None]):
+    """Runs fn when the block ends without an error (a collective: never while an exception unwinds)."""
+    yield
+    fn()

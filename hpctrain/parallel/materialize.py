@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hpctrain.model.transformer import ModelDims, clean_name, init_slice
+from hpctrain.model.transformer import ModelDims, clean_name, init_slice, weight_of
 
 
 def shard_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -30,13 +30,14 @@ def init_weights(model: nn.Module, dims: ModelDims, seed: int) -> None:
             local = p.to_local() if isinstance(p, DTensor) else p
             offset, shape = shard_box(p)
             assert tuple(local.shape) == shape, (name, tuple(local.shape), shape)
-            init_slice(clean_name(name), p.shape, dims, seed, offset, shape, out=local)
+            init_slice(weight_of(clean_name(name), dims), p.shape, dims, seed, offset, shape, out=local)
 
 
 def retie(model: nn.Module) -> None:
     """to_empty gives every module its own new parameter, so a tied output projection comes back as a second
     matrix, initialised and trained on its own: point it at the embedding's again (the same local shard under
-    tensor parallel, where both are vocabulary-sharded Shard(0); pipeline parallel refuses tying)."""
+    tensor parallel, where both are vocabulary-sharded Shard(0)). A pipeline rank that holds only one of the two
+    keeps its own copy, synchronised by parallel.pipeline.TiedEmbedding."""
     emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if model.dims.tie_embeddings and emb is not None and out is not None and out.weight is not emb.weight:
         out.weight = emb.weight

@@ -51,6 +51,44 @@ def stage_module(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
     return part
 
 
+class TiedEmbedding:
+    """Tied embeddings under pipeline parallel, as Megatron ties them: the first stage's rank holds the embedding,
+    the last stage's its own copy as the output projection, both filled with the embedding's values
+    (model.transformer.weight_of). After each step's backward (and data parallel's reduction) the two gradients
+    are summed over a group of the two ranks of each (dp, tp) coordinate, so both copies take the same step and
+    stay equal. The copy is counted once in the gradient norm (`duplicate`: the output's, on its rank), and a
+    checkpoint holds the optimizer state of both under the embedding's name (`aliases`), as one process's tied
+    model saves it; the model state holds both names, as one process's does."""
+
+    def __init__(self, model: nn.Module, group, holds_copy: bool) -> None:
+        self.model, self.group = model, group
+        self.duplicate = model.output.weight if holds_copy else None
+        self.aliases = {"output.weight": "tok_embeddings.weight"} if holds_copy else {}
+
+    @staticmethod
+    def build(model: nn.Module, plan: StagePlan, mesh) -> "TiedEmbedding | None":
+        """Collective over the world (the pairs' groups are made together); None where the model is untied or
+        one rank runs both stages."""
+        import torch.distributed as dist
+        first, last = plan.rank_of(0), plan.rank_of(plan.last)
+        if not model.dims.tie_embeddings or first == last:
+            return None
+        lay = mesh.layout
+        pairs = [[lay.rank(first, d, t), lay.rank(last, d, t)] for d in range(lay.dp) for t in range(lay.tp)]
+        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        if mesh.pp_rank not in (first, last):
+            return None
+        return TiedEmbedding(model, group, holds_copy=mesh.pp_rank == last)
+
+    def sync(self) -> None:
+        """Sums the two copies' gradients (the local shards: both are sharded alike over tp and dp)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+        p = self.duplicate if self.duplicate is not None else self.model.tok_embeddings.weight
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=self.group)
+
+
 # -- running --------------------------------------------------------------------------------------------------------
 
 def timed_stage_class():

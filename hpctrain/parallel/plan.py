@@ -77,10 +77,11 @@ def _check_supported(cfg: Config, dp: int) -> StagePlan | None:
     z, pp = cfg.parallel.zero_stage, cfg.parallel.pp
     stages = None
     if pp > 1:
-        if cfg.model.tie_embeddings:
-            raise ValueError(f"model.tie_embeddings = true with parallel.pp = {pp}: the embedding (first stage) "
-                             f"and the output (last stage) live on different ranks; untie them")
         stages = StagePlan.build(cfg.parallel, cfg.model.n_layers)
+        if cfg.model.tie_embeddings and stages.rank_of(stages.last) == stages.rank_of(0):
+            raise ValueError(f"model.tie_embeddings = true with parallel.pp_schedule = {stages.schedule!r}: its "
+                             f"first and last stages run on the same rank as two modules, and a parameter shared "
+                             f"between them is not supported; untie them or use 1f1b or interleaved_1f1b")
         stages.check_microbatches(cfg.train.grad_accum)
         if stages.zero_bubble and z == 3 and dp > 1:
             # measured: losses leave the single-process reference from the second step on (torch 2.13)

@@ -174,5 +174,6 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel
         for key, block in model.layers.items():
             SequenceGather(block.attention, keep_shard=key not in recomputed)
             SequenceGather(block.feed_forward, keep_shard=key not in recomputed)
-    if model.dims.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # both vocab-sharded as Shard(0): one parameter
+    if model.dims.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        # both vocab-sharded as Shard(0): one parameter (a pipeline's last stage alone keeps its own copy)
+        model.output.weight = model.tok_embeddings.weight

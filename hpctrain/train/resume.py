@@ -28,7 +28,7 @@ def checkpointer(trainer) -> Checkpointer:
     takes the directory lock). The heartbeat follows its phases and bytes (the watchdog's checkpoint limit)."""
     t = trainer
     optimizer = (ckpt_state.ZeroOneOptimizerState if t.pm.zero_stage == 1 else ckpt_state.OptimizerState)(
-        t.pm.model, t.optimizer)  # pm.model, not .model: a resume loads into the unfilled weights
+        t.pm.model, t.optimizer, t.pm.tied.aliases if t.pm.tied else None)  # pm.model: loads into unfilled weights
     saved = Saved(t.pm.model, optimizer, t.progress, {"scheduler": t.scheduler, "scaler": t.scaler, "data": t.loader},
                   fill=t.pm.fill, loaded=t.pm.loaded, nonfinite=lambda: t.nonfinite.check(t.step))
     attach, skipped = hf_import.tokenizer_files(hfconfig.hf_dir(t.cfg.train.init_from), t.cfg.data.files)

@@ -117,6 +117,8 @@ class Trainer:
         # weights allocated, not filled: a resume overwrites them; train_step, save and .model fill them otherwise
         self.pm = compose.build(cfg, s.mesh, self.device, fill=False, plan=self.plan)
         self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
+        copy = self.pm.tied.duplicate if self.pm.tied else None  # a tied embedding's second copy: counted once
+        self.norm_params = [p for p in self.params if p is not copy]
         self.dp_group = s.mesh.group("dp")
         self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
         self.lr = optim.effective_lr(cfg.train, self.global_batch)
@@ -203,7 +205,7 @@ class Trainer:
         self.hb.enter("optimizer", "unscale and finiteness")
         finite = self.scaler.unscale_and_check(self.params, self.device)  # fp16: reads the overflow flag (a sync)
         self.hb.enter("collective", "gradient norm over the shards")
-        norm = optim.grad_norm(self.params, self.pp_group) if finite else torch.full((), float("inf"))
+        norm = optim.grad_norm(self.norm_params, self.pp_group) if finite else torch.full((), float("inf"))
         self.hb.enter("optimizer")
         if t.grad_clip > 0 and finite:  # a non-finite norm only touches the gradients of a step that is skipped
             optim.clip_grads(self.params, t.grad_clip, norm)

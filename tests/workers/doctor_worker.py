@@ -35,7 +35,7 @@ def main(out: str, cases_json: str, base_port: int) -> None:
         seen: dict = {}
         if c["kind"] == "doctor":
             with session.start(cfg) as s:
-                report = doctor.run(s, doctor.Options(storage_mb=16))
+                report = doctor.run(s, doctor.Options(storage_mb=16, rules=c.get("rules", {})))
                 seen = {k: report[k] for k in ("ok", "failed_nodes", "unattributed", "exclude", "job", "groups",
                                                "nodes")}
                 seen["run_dir"] = str(s.run_dir)

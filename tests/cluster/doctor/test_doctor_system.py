@@ -5,11 +5,10 @@
 mpiexec (two named nodes of 2 ranks) and Slurm (`hpctrain doctor CONFIG`: submitted, waited for, the table
 printed): a healthy run exits 0, a node measuring 100x slower by the test seam (SEAM_DOCTOR_SLOW and tests/plugins
 on PYTHONPATH, passed to the tasks through sbatch's environment; tests/plugins/seams.py) exits 1 with its --exclude=
-line. These two run beside other tests: their doctor fails a value only below 0.05 x its peers' median (--margin,
---storage-margin 0.95), which the seam's factor 100 crosses and a neighbour's load on this host's two cores does
-not (it moves rates by a few times). A training job with job.preflight = true and a slowed node is requeued
-without it (the local cluster has 3 nodes) and trains on the two others: the preflight judges with the default
-margins, so that test runs alone.
+line. A training job with job.preflight = true and a slowed node is requeued without it (the local cluster has 3
+nodes) and trains on the two others. They run beside other tests: each doctor fails a value only below 0.05 x its
+peers' median (--margin and --storage-margin 0.95, job.preflight_margin = 0.95), which the seam's factor 100
+crosses and a neighbour's load on this host's two cores does not (it moves rates by a few times).
 """
 from __future__ import annotations
 
@@ -91,18 +90,18 @@ def test_doctor_submitted_to_slurm(slurm_cluster, tmp_path, monkeypatch) -> None
 
 @pytest.mark.slurm
 @pytest.mark.faults
-@pytest.mark.alone  # the preflight judges speeds measured on this shared host, with the default margins
 def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, monkeypatch) -> None:
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=20).stdout.split()
     if len(set(nodes)) < 3:  # a 2-node job needs a third node to move to
         why = f"the local cluster has {len(set(nodes))} node(s); this test needs 3 (slurm/cluster.sh up, the default)"
         pytest.fail(why) if required("HPCTRAIN_REQUIRE_SLURM") else pytest.skip(why)
     _when_idle()
-    for var, value in seam_env(SEAM_DOCTOR_SLOW="n1").items():
+    for var, value in seam_env(SEAM_DOCTOR_SLOW=f"n1:{SLOW}").items():
         monkeypatch.setenv(var, value)
     t0 = time.monotonic()
     out = hpctrain("submit", str(EXAMPLE), "--wait", "--set", f"job.run_root={tmp_path}", "--set",
-                   "job.preflight=true", "--set", "train.steps=4", "--set", "train.log_every=2", timeout=600)
+                   "job.preflight=true", "--set", "job.preflight_margin=0.95", "--set", "train.steps=4", "--set",
+                   "train.log_every=2", timeout=600)
     seconds = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
@@ -114,6 +113,6 @@ def test_preflight_requeues_without_the_slowed_node(slurm_cluster, tmp_path, mon
     assert summary["doctor"]["ok"] and summary["train"]["steps"] == 4
     assert {r["node"] for r in summary["rank_map"]} == {"n2", "n3"}
     assert "preflight | FAILED nodes: n1" in out.stdout and "preflight | PASSED" in out.stdout
-    record("job.preflight with a node measuring 10x slower, 2-node Slurm job on a 3-node cluster",
+    record("job.preflight with a node measuring 100x slower, 2-node Slurm job on a 3-node cluster",
            "requeued without it (ExcNodeList=n1), runs again on n2, n3 and trains; requeues.jsonl says what was "
            "excluded and why", seconds, "slurm")

@@ -22,6 +22,8 @@ from hpctrain.checkpoint.manager import committed
 LAYOUT = ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]
 PP_LAYOUT = ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
 HF_MODEL = ["model.n_kv_heads=2", "model.vocab_size=200", "train.lr=0.05"]
+TIED = ["model.tie_embeddings=true"]
+TIED_PP = TIED + ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=1", "train.grad_accum=4"]
 LOSS_TOL, WEIGHT_TOL = 2e-5, 2e-4  # across layouts: fp32 reduction order differs
 
 
@@ -29,6 +31,7 @@ def _cases(out: Path) -> list[dict]:
     ck = lambda name: f"checkpoint.dir={out / name}"  # noqa: E731
     step4 = out / "ckB" / "step_00000004"
     pp4 = out / "ckP" / "step_00000004"
+    tied4 = out / "ckT" / "step_00000004"
     return [
         {"name": "pp_full", "overrides": PP_LAYOUT + ["train.steps=8", "checkpoint.every_steps=4", ck("ckP"),
                                                       "checkpoint.at_end=false"]},
@@ -55,6 +58,15 @@ def _cases(out: Path) -> list[dict]:
         {"name": "zero1_to_dp4", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=2", "train.steps=8",
                                                f"train.resume={out / 'ckZ' / 'step_00000006'}", ck("ckZ2"),
                                                "checkpoint.at_end=false"]},
+        # tied embeddings: one process's layout saves at step 4; pp=2 x dp=2 ZeRO-1 (the last stage's copy and its
+        # AdamW state saved under the embedding's name) goes on from it and saves at step 6; the first goes on
+        {"name": "tied_full", "overrides": LAYOUT + TIED + ["train.steps=8", "checkpoint.every_steps=4", ck("ckT"),
+                                                            "checkpoint.at_end=false"]},
+        {"name": "tied_to_pp2", "overrides": TIED_PP + ["train.steps=8", f"train.resume={tied4}",
+                                                        "checkpoint.every_steps=2", ck("ckT2"),
+                                                        "checkpoint.at_end=false"]},
+        {"name": "tied_back", "overrides": LAYOUT + TIED + ["train.steps=8", ck("ckT3"), "checkpoint.at_end=false",
+                                                            f"train.resume={out / 'ckT2' / 'step_00000006'}"]},
         {"name": "async", "overrides": LAYOUT + ["train.steps=8", "checkpoint.every_steps=2",
                                                  "checkpoint.async_save=true", "checkpoint.keep=3", ck("ckF")]},
         # USR2 one step after an asynchronous save began: it is finished and committed, then step 3 is saved
@@ -113,6 +125,13 @@ def _continues_from_step4(got: dict, ref: dict, step: int = 4) -> None:
 @pytest.mark.parametrize("layout", ["dp4", "tp4", "zero1_tp2"])
 def test_reshard_on_load(runs, layout) -> None:
     _continues_from_step4(runs[layout], runs["full"])
+
+
+def test_tied_embeddings_reshard_across_pipeline_ranks(runs) -> None:
+    _continues_from_step4(runs["tied_to_pp2"], runs["tied_full"])
+    _continues_from_step4(runs["tied_back"], runs["tied_full"], step=6)
+    w = runs["tied_to_pp2"]["weights"]
+    assert torch.equal(w["output.weight"], w["tok_embeddings.weight"])
 
 
 def test_zero1_with_tp_saves_a_reshardable_checkpoint(runs) -> None:

@@ -4,29 +4,30 @@ spawn running every case in turn (tests/workers/doctor_worker.py).
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/doctor/test_doctor_dist.py
 
 A healthy run passes with every communicator measured (tp = intra, dp = inter, world), results checked, both
-nodes' storage, clocks and environment; a node measuring 10x slower by the test seam (SEAM_DOCTOR_SLOW) fails and is
-named in the --exclude= line on every rank; job.preflight with that node, outside Slurm, fails the training job
+nodes' storage, clocks and environment; a node measuring 100x slower by the test seam (SEAM_DOCTOR_SLOW) fails and
+is named in the --exclude= line on every rank; job.preflight with that node, outside Slurm, fails the training job
 with the table before any model is built, and passes a healthy one into training; a preemption signal stops
 the preflight on every rank and the training job requeues without training, as it would before its first step.
+The test runs beside others: every verdict fails a value only below 0.05 x its peers' median (margins 0.95: the
+doctor's rules, job.preflight_margin), which the seam's 100x crosses and this host's load does not.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 from faults import record
 
 from helpers.launch import spawn_cases
 
-pytestmark = pytest.mark.alone  # the doctor judges speeds measured on this shared host
-
+WIDE = {"margin": 0.95, "storage_margin": 0.95}
+PREFLIGHT = ["job.preflight=true", "job.preflight_margin=0.95"]
 CASES = [
-    {"name": "healthy", "kind": "doctor"},
-    {"name": "slowed", "kind": "doctor", "slow": "node1"},
-    {"name": "preflight_slowed", "kind": "train", "slow": "node0", "sets": ["job.preflight=true"]},
-    {"name": "preflight_healthy", "kind": "train", "sets": ["job.preflight=true"]},
-    {"name": "preflight_preempted", "kind": "train", "sets": ["job.preflight=true"], "preempt": 1},
+    {"name": "healthy", "kind": "doctor", "rules": WIDE},
+    {"name": "slowed", "kind": "doctor", "slow": "node1:100", "rules": WIDE},
+    {"name": "preflight_slowed", "kind": "train", "slow": "node0:100", "sets": PREFLIGHT},
+    {"name": "preflight_healthy", "kind": "train", "sets": PREFLIGHT},
+    {"name": "preflight_preempted", "kind": "train", "sets": PREFLIGHT, "preempt": 1},
 ]
 
 
@@ -53,7 +54,7 @@ def test_doctor_on_four_ranks(tmp_path) -> None:
 
     slowed = _seen(tmp_path, "slowed")
     assert all(s["failed_nodes"] == ["node1"] and s["exclude"] == "--exclude=node1" for s in slowed), slowed[0]
-    record("a node measuring 10x slower (SEAM_DOCTOR_SLOW), 4 ranks on 2 nodes",
+    record("a node measuring 100x slower (SEAM_DOCTOR_SLOW), 4 ranks on 2 nodes",
            "hpctrain doctor fails it by the median and names it in its --exclude= line on every rank", tier="unit")
 
     failing = _seen(tmp_path, "preflight_slowed")
@@ -61,7 +62,7 @@ def test_doctor_on_four_ranks(tmp_path) -> None:
         assert "preflight failed: not a Slurm job: not requeued" in f.get("raised", ""), f
         assert "--exclude=node0" in f["raised"] and "FAIL gemm rank 0 on node0" in f["raised"]
     assert not list((tmp_path / "preflight_slowed").glob("*/metrics.jsonl"))  # failed before any training step
-    record("job.preflight with a node measuring 10x slower, outside Slurm",
+    record("job.preflight with a node measuring 100x slower, outside Slurm",
            "the training job fails on every rank with the table and its --exclude= line before the model is built",
            tier="unit")
 

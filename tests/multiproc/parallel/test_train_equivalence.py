@@ -44,6 +44,8 @@ TWO = [
     # pipeline: 4 micro-batches of 2 per step, the reference's 8 sequences
     *[{"name": f"pp2_{sched}", "overrides": PP + [f"parallel.pp_schedule={sched}"]} for sched in ("gpipe", "1f1b")],
     {"name": "pp2_bf16", "overrides": PP + ["train.precision=bf16"]},
+    # tied embeddings across pipeline ranks: the last stage's copy, its gradient summed with the embedding's
+    {"name": "pp2_tied", "overrides": PP + ["parallel.pp_schedule=1f1b", "model.tie_embeddings=true"]},
     # partial recompute (train.ac selective, op): bitwise the same run as without
     *[{"name": f"tp2_sp_{ac}", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.ac={ac}"]}
       for ac in ("selective", "op")],
@@ -71,6 +73,9 @@ FOUR = [
     {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
                                                "train.grad_accum=2"]},
     {"name": "pp2tp2", "overrides": PP + ["parallel.tp=2"]},
+    {"name": "pp2tp2_tied", "overrides": PP + ["parallel.tp=2", "model.tie_embeddings=true"]},
+    {"name": "pp2dp2_zero3_tied", "overrides": PP + ["parallel.zero_stage=3", "train.micro_batch_size=1",
+                                                     "model.tie_embeddings=true"]},
     *[{"name": f"pp2dp2_zero{z}", "overrides": PP + [f"parallel.zero_stage={z}", "train.micro_batch_size=1"]}
       for z in (0, 3)],
     {"name": "pp4_gpipe", "overrides": PP + FOUR_LAYERS + ["parallel.pp=4", "parallel.pp_schedule=gpipe"]},
@@ -134,11 +139,13 @@ def test_gelu_mlp_matches_single_process(results) -> None:
 
 def test_tied_embeddings_stay_one_matrix(results) -> None:
     """model.tie_embeddings: the output projection is the embedding, in one process and under tp2 x dp2 ZeRO-3
-    (materialising on the device once gave each its own copy, trained apart)."""
-    for name in ("ref_tied", "tp2dp2_zero3_tied"):
+    (materialising on the device once gave each its own copy, trained apart); under pipeline parallel the last
+    stage's copy stays equal to the embedding (pp2, with tp2, with dp2 ZeRO-3), and each run is one process's."""
+    for name in ("ref_tied", "tp2dp2_zero3_tied", "pp2_tied", "pp2tp2_tied", "pp2dp2_zero3_tied"):
         w = results[name]["weights"]
         assert torch.equal(w["output.weight"], w["tok_embeddings.weight"]), name
-    compare_runs(results["tp2dp2_zero3_tied"], results["ref_tied"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    for name in ("tp2dp2_zero3_tied", "pp2_tied", "pp2tp2_tied", "pp2dp2_zero3_tied"):
+        compare_runs(results[name], results["ref_tied"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
     assert results["ref_tied"]["losses"][-1] != results["ref"]["losses"][-1]  # tying changed what was trained
 
 

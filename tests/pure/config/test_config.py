@@ -120,6 +120,8 @@ def test_override_can_fix_a_file_value():
     ("parallel.dp=0", ["parallel.dp = 0", "-1"]),
     ("parallel.dp=-2", ["parallel.dp = -2", "-1"]),
     ("job.executor=pbs", ["job.executor", "'pbs'", "slurm"]),
+    ("job.preflight_margin=1.0", ["job.preflight_margin = 1.0", "between 0 and 1"]),
+    ("model.mlp=relu", ["model.mlp", "'relu'", "gelu"]),
     ("parallel.backend=mpi", ["parallel.backend", "'mpi'", "gloo"]),
     ("parallel.backend=nccl", ["parallel.backend = 'nccl'", "job.gpus_per_node = 0"]),
     ("train.precision=fp8", ["train.precision", "'fp8'", "bf16"]),

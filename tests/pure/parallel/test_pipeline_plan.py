@@ -85,7 +85,9 @@ def check_training(cfg, tp: int, dp: int) -> tuple[str, ...]:
     (["parallel.pp=4", "model.n_layers=4", "train.grad_accum=2"], ["train.grad_accum = 2", "1F1B", "pp = 4"]),
     (["parallel.pp=4", "model.n_layers=8", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
       "train.grad_accum=9"], ["train.grad_accum = 9", "multiple of 2"]),
-    (["parallel.pp=2", "model.tie_embeddings=true", "train.grad_accum=2"], ["tie_embeddings", "untie"]),
+    # tied embeddings under pp are a synchronised copy on the last stage's rank, not where one rank runs both ends
+    (["parallel.pp=2", "model.tie_embeddings=true", "train.grad_accum=4", "parallel.pp_schedule=zbv",
+      "parallel.pp_virtual_stages=2", "model.n_layers=4"], ["tie_embeddings", "'zbv'", "untie"]),
 ])
 def test_training_refusals_before_launch(overrides, fragments) -> None:
     cfg = load_config(None, overrides)

@@ -47,7 +47,8 @@ def test_global_batch_sets_the_micro_batch() -> None:
 def test_no_training_no_model() -> None:
     """train.steps = 0 (benchmarks), and a session: layout and topology only; the model's checks are not the
     job's. with_training adds them without checking the layout again."""
-    cfg = load_config(None, ["train.steps=0", "parallel.pp=2", "model.tie_embeddings=true"])
+    cfg = load_config(None, ["train.steps=0", "parallel.pp=2", "model.tie_embeddings=true",
+                             "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "model.n_layers=4"])
     p = make_plan(cfg, [0, 0])
     assert (p.layout, p.training, p.dims, p.stages, p.notes) == (Layout(2, 1, 1), False, None, None, ())
     assert make_plan(cfg, [0, 0], training=False) == p

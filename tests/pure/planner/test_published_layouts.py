@@ -50,6 +50,7 @@ def test_config_is_the_published_run(name) -> None:
             cfg.model.vocab_size, cfg.data.seq_len) == (m["n_layers"], m["dim"], m["n_heads"], m["ffn_dim"],
                                                         m["vocab_size"], m["seq_len"])
     assert cfg.model.mlp == m["activation"] == "gelu" and (cfg.model.n_kv_heads or cfg.model.n_heads) == m["n_kv_heads"]
+    assert cfg.model.tie_embeddings == m["tied_embeddings"]  # under pp: the last rank's synchronised copy
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.world_size) == (lay["tp"], lay["pp"], facts["num_gpus"])
     assert cfg.parallel.sequence_parallel == lay["sequence_parallel"]
     assert cfg.parallel.pp_virtual_stages == (lay["virtual_stages"] or 1)
