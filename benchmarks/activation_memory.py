@@ -18,7 +18,8 @@ selective recompute). Bytes are counted: one round, deterministic.
 
 Rows: 1 rank: fp32 and bf16 autocast, GQA (2 KV heads of 8) and MHA, train.ac none and full (GQA also selective and
 op). 2 ranks: tp=2 with and without sequence parallel, fp32 and bf16 autocast, ac none and full, bf16 with ac
-selective and op, GPT's GeLU MLP (bf16, sequence parallel, ac none, selective, op); bf16 parameters (FSDP's mixed
+selective and op, GPT's GeLU MLP (bf16, sequence parallel, ac none, selective, op), fused projections (bf16, ac none
+with and without sequence parallel, op with it); bf16 parameters (FSDP's mixed
 precision, ZeRO-2, tp=1 dp=2). 4 ranks: the same at tp=4, and bf16 parameters with tp=2 dp=2. A selectively
 checkpointed block keeps its input and the outputs its policy caches (read from the policy's cache after the
 forward); under sequence parallel the attention's and MLP's own saved-tensor hooks (parallel.tensor.SequenceGather)
@@ -81,6 +82,12 @@ def rows_for(world: int) -> list[dict]:
                              "parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
                              f"model.n_kv_heads={KV}", f"train.ac={ac}", "model.mlp=gelu",
                              f"model.ffn_dim={4 * DIM}"]})
+    if world == 2:  # fused projections (model.fused_projections): q/k/v and gate/up one matmul each
+        for sp, ac in ((False, "none"), (True, "none"), (True, "op")):
+            rows.append({"name": f"tp2 bf16{' sp' if sp else ''} fused ac={ac}", "tp": 2, "sp": sp, "precision": "bf16",
+                         "ac": ac, "kv": KV, "fused": True, "sets": [
+                             "parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}", "train.precision=bf16",
+                             f"model.n_kv_heads={KV}", f"train.ac={ac}", "model.fused_projections=true"]})
     tp = world // 2
     rows.append({"name": f"tp{tp} dp2 bf16 params (zero2)", "tp": tp, "sp": False, "precision": "bf16-params",
                  "ac": "none", "kv": max(KV, tp), "sets": [
@@ -103,9 +110,12 @@ def formula(row: dict) -> float:
     g, f = row["kv"] / HEADS, (4 * DIM if gelu else FFN) / DIM
     if row["ac"] in ("selective", "op"):  # the block's input, the kept matmuls' outputs (the o and down
         # projections' whole under tp), the attention output and log-sum-exp, the reductions' results under tp;
-        # op: the odd-numbered matmuls, q, v, gate, down (GeLU, six matmuls: q, v, up)
+        # op: the odd-numbered matmuls, q, v, gate, down (GeLU, six matmuls: q, v, up; fused projections, four
+        # matmuls: q/k/v and gate/up)
         if row["ac"] == "selective":
             mm = (1 + 2 * g + (1 if gelu else 2) * f) / t + 2
+        elif row.get("fused"):  # four matmuls (q/k/v, o, gate/up, down): the 1st and 3rd
+            mm = (1 + 2 * g + (1 if gelu else 2) * f) / t
         else:
             mm = (1 + g + f) / t + (0 if gelu else 1)
         reductions = 2 / (t if sp else 1) if t > 1 else 0
@@ -206,6 +216,7 @@ def measure(row: dict, run_root: str) -> dict:
         planned_copies = am.weight_copy_bytes(dims, 1) if row["ac"] == "none" else 0.0
         sbh = tokens * DIM
         return {"name": row["name"], "activation_bytes": act, "weight_copy_bytes": copies,
+                "planner_weight_copy_bytes": planned_copies,
                 "per_sbh": act / sbh, "formula_per_sbh": formula(row),
                 "planner_per_sbh": (planned - planned_copies) / sbh, "tensors": len(block0),
                 "kinds": sorted({k for _, _, k in block0})}

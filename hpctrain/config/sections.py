@@ -205,6 +205,7 @@ class ModelConfig:
     n_kv_heads: int = 0  # 0: same as n_heads (no grouped-query attention)
     ffn_dim: int = 0  # 0: about 8/3 * dim rounded up to a multiple of 64 (swiglu), 4 * dim (gelu)
     mlp: str = "swiglu"  # swiglu (Llama: gate, up and down matrices) | gelu (GPT: two matrices, tanh GeLU)
+    fused_projections: bool = False  # q, k, v (and gate, up) as one matmul each: Megatron's shapes; same weights
     max_seq_len: int = 256  # longest sequence the rotary tables cover; data.seq_len must not exceed it
     tie_embeddings: bool = False  # the output layer shares the embedding's weights (pp > 1: a synchronised copy)
     rope_theta: float = 10000.0  # RoPE base; train.init_from = "hf:PATH" takes it (and the sizes) from config.json

@@ -25,6 +25,7 @@ class ModelDims:
     norm_eps: float = 1e-5
     true_vocab_size: int = 0  # before padding
     mlp: str = "swiglu"  # "swiglu" (w1 gate, w3 up, w2 down) or "gelu" (w1 up, w2 down)
+    fused_projections: bool = False  # q/k/v (and SwiGLU's gate/up) computed as one matmul; the same parameters
 
     @staticmethod
     def from_config(m: ModelConfig, tp: int = 1, pad_to: int = 64) -> "ModelDims":
@@ -38,7 +39,8 @@ class ModelDims:
         multiple = math.lcm(pad_to, tp)
         vocab = multiple * math.ceil(m.vocab_size / multiple)
         return ModelDims(vocab, m.dim, m.n_layers, m.n_heads, kv, ffn, m.max_seq_len, m.tie_embeddings,
-                         rope_theta=m.rope_theta, norm_eps=m.norm_eps, true_vocab_size=m.vocab_size, mlp=m.mlp)
+                         rope_theta=m.rope_theta, norm_eps=m.norm_eps, true_vocab_size=m.vocab_size, mlp=m.mlp,
+                         fused_projections=m.fused_projections)
 
     @property
     def head_dim(self) -> int:

@@ -1,7 +1,8 @@
 """A Llama-style decoder on one device: RMSNorm, rotary embeddings, SwiGLU MLP (or GPT's GeLU one), grouped-query
 attention through scaled_dot_product_attention (FlashAttention on GPUs; K/V heads passed grouped with enable_gqa
-where the kernel reads them so), optional tied embeddings. No distributed code here:
-hpctrain.parallel applies tensor parallel, checkpointing and sharding to this unmodified module.
+where the kernel reads them so), optional tied embeddings, optionally q/k/v and gate/up each as one matmul. No
+distributed code here: hpctrain.parallel applies tensor parallel, checkpointing and sharding to this unmodified
+module.
 
     model = Transformer(ModelDims.from_config(cfg.model, tp=2))   # on the meta device for big models
     model.init_buffers(); p.copy_(init_value(name, p.shape, dims, seed))  # layout-independent weights
@@ -99,6 +100,49 @@ def native_gqa(device_type: str, dtype: torch.dtype, rocm: bool, has_gqa: bool) 
     return device_type == "cpu" or (device_type == "cuda" and not rocm and dtype in (torch.float16, torch.bfloat16))
 
 
+class FusedLinear(torch.autograd.Function):
+    """x @ cat(weights).T as one matmul, split back into one output per weight (views of one result). Keeps x and
+    the weights as they are (parameters: nothing copied), never their concatenation or its low-precision cast: the
+    backward concatenates them again, for as long as it runs. Under autocast the matmul runs in autocast's dtype,
+    as nn.Linear's would; the weights' gradients come back in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        ctx.dtype, ctx.sizes = dtype, [w.shape[0] for w in weights]
+        ctx.save_for_backward(x, *weights)
+        with torch.autocast(device, enabled=False):
+            y = F.linear(x.to(dtype), torch.cat([w.to(dtype) for w in weights]))
+        return tuple(y.split(ctx.sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        g = torch.cat(grads, dim=-1).to(ctx.dtype)  # (..., sum of the outputs' widths)
+        xd = x.to(ctx.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ torch.cat([w.to(ctx.dtype) for w in weights])).to(x.dtype)
+        flat = g.reshape(-1, g.shape[-1]).t().mm(xd.reshape(-1, xd.shape[-1]))  # (outputs, inputs)
+        grad_ws = [part.to(w.dtype) if ctx.needs_input_grad[i + 1] else None
+                   for i, (part, w) in enumerate(zip(flat.split(ctx.sizes), weights))]
+        return grad_x, *grad_ws
+
+
+class FusedProjection(nn.Module):
+    """Bias-free nn.Linear modules that read the same input, run as one matmul (model.fused_projections: Megatron's
+    fused QKV and gate/up shapes, one larger GEMM where there were two or three). It holds no parameter of its own:
+    the weights stay the member modules' (names, init, checkpoints and Hugging Face export as without it)."""
+
+    def __init__(self, *members: nn.Linear) -> None:
+        super().__init__()
+        self.members = tuple(members)  # a tuple, so not registered as submodules a second time
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return FusedLinear.apply(x, *(m.weight for m in self.members))
+
+
 class Attention(nn.Module):
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
@@ -107,13 +151,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d.dim, d.n_kv_heads * d.head_dim, bias=False)
         self.wv = nn.Linear(d.dim, d.n_kv_heads * d.head_dim, bias=False)
         self.wo = nn.Linear(d.n_heads * d.head_dim, d.dim, bias=False)
+        self.qkv = FusedProjection(self.wq, self.wk, self.wv) if d.fused_projections else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+            v = v.contiguous()  # its own storage: attention keeps v, which would keep all of q, k, v alive
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, head_dim), k and v (B, H_kv, T, head_dim)
         gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves n_heads / n_kv_heads
@@ -150,11 +198,13 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(d.dim, d.ffn_dim, bias=False)  # gate (SwiGLU), up (GeLU)
         self.w3 = nn.Linear(d.dim, d.ffn_dim, bias=False) if d.mlp == "swiglu" else None  # up
         self.w2 = nn.Linear(d.ffn_dim, d.dim, bias=False)  # down
+        self.gate_up = FusedProjection(self.w1, self.w3) if d.fused_projections and self.w3 is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
             return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-        return self.w2(SwiGLU.apply(self.w1(x), self.w3(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.w1(x), self.w3(x))
+        return self.w2(SwiGLU.apply(gate, up))
 
 
 class Block(nn.Module):

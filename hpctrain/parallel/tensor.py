@@ -13,24 +13,26 @@ from typing import Any, Collection
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hpctrain.model.transformer import Transformer
+from hpctrain.model.transformer import FusedLinear, FusedProjection, Transformer
 
 
-def tp_plan(block_prefix: str, sequence_parallel: bool, mlp: str = "swiglu") -> dict[str, Any]:
+def tp_plan(block_prefix: str, sequence_parallel: bool, mlp: str = "swiglu", fused: bool = False) -> dict[str, Any]:
     """Column-parallel q/k/v and gate/up (GeLU: up), row-parallel o/down; norms sequence-parallel when asked (the
-    gathers before attention and MLP: SequenceGather)."""
+    gathers before attention and MLP: SequenceGather). Fused projections (model.fused_projections): q/k/v and
+    gate/up column-parallel as one matmul each (fused_colwise)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        f"{block_prefix}.attention.wq": ColwiseParallel(),
-        f"{block_prefix}.attention.wk": ColwiseParallel(),
-        f"{block_prefix}.attention.wv": ColwiseParallel(),
-        f"{block_prefix}.attention.wo": RowwiseParallel(output_layouts=seq),
-        f"{block_prefix}.feed_forward.w1": ColwiseParallel(),
-        f"{block_prefix}.feed_forward.w2": RowwiseParallel(output_layouts=seq),
-    }
-    if mlp == "swiglu":
-        plan[f"{block_prefix}.feed_forward.w3"] = ColwiseParallel()
+    p = block_prefix
+    plan: dict[str, Any] = {f"{p}.attention.wo": RowwiseParallel(output_layouts=seq),
+                            f"{p}.feed_forward.w2": RowwiseParallel(output_layouts=seq)}
+    if fused:
+        plan[f"{p}.attention.qkv"] = fused_colwise()
+    else:
+        plan.update({f"{p}.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
+    if fused and mlp == "swiglu":
+        plan[f"{p}.feed_forward.gate_up"] = fused_colwise()
+    else:
+        plan.update({f"{p}.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")[:2 if mlp == "swiglu" else 1]})
     if sequence_parallel:
         plan[f"{block_prefix}.attention_norm"] = SequenceParallel()
         plan[f"{block_prefix}.ffn_norm"] = SequenceParallel()
@@ -76,6 +78,40 @@ def vocab_parallel(output_layout):
             return module
 
     return VocabParallel()
+
+
+class ShardFusedProjection(FusedProjection):
+    """A FusedProjection over column-parallel weights (each member's Shard(0) over tp): this rank's rows of every
+    member in one local matmul, the outputs this rank's heads (or ffn columns) as ColwiseParallel's local outputs.
+    The input is replicated over tp (with sequence parallel: SequenceGather's gathered DTensor); its gradient, a
+    partial sum on each rank, is all-reduced (reduce-scattered with sequence parallel) once for the fused matmul.
+    Apply with fused_colwise, never by hand."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from torch.distributed.tensor import Partial
+        weights = [m.weight for m in self.members]  # under FSDP: the gathered tp shards
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, weights[0].device_mesh, [Replicate()], run_check=False)
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return FusedLinear.apply(x, *(w.to_local() for w in weights))
+
+
+def fused_colwise():
+    """A ParallelStyle for a FusedProjection (a parallelize_module plan entry): each member's weight sharded by
+    rows over tp, as ColwiseParallel shards it (checkpoints, FSDP and HF export see the same DTensors)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class FusedColwise(ParallelStyle):
+        def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+            if type(module) is not FusedProjection:
+                raise TypeError(f"fused_colwise shards a FusedProjection, not {type(module).__name__}")
+            for m in module.members:
+                m.weight = torch.nn.Parameter(distribute_tensor(m.weight, device_mesh, [Shard(0)]))
+            module.__class__ = ShardFusedProjection
+            return module
+
+    return FusedColwise()
 
 
 class SequenceGather:
@@ -130,11 +166,12 @@ class _Regather:
         self.shard = shard if outer is None else _Outer(outer, shard)
 
     def pack(self, t: torch.Tensor) -> Any:
-        local = t._local_tensor if isinstance(t, DTensor) else None
-        if local is None or local.untyped_storage().data_ptr() != self.storage:
+        local = t._local_tensor if isinstance(t, DTensor) else t  # plain: a fused projection's local input
+        if local.untyped_storage().data_ptr() != self.storage:
             return t if self.outer is None else _Outer(self.outer, t)
         self.packed += 1
-        return (t._spec, local.shape, local.stride(), local.storage_offset(), t.shape, t.stride())
+        spec = t._spec if isinstance(t, DTensor) else None
+        return (spec, local.shape, local.stride(), local.storage_offset(), t.shape, t.stride())
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Outer):
@@ -149,6 +186,8 @@ class _Regather:
         self.unpacked += 1
         if self.unpacked == self.packed:
             self.full = None
+        if spec is None:
+            return local
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=gshape, stride=gstride)
 
 
@@ -168,7 +207,7 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool, loss_parallel
     if sequence_parallel and model.norm is not None:
         plan["norm"] = SequenceParallel()
     for i in model.layers:
-        plan.update(tp_plan(f"layers.{i}", sequence_parallel, model.dims.mlp))
+        plan.update(tp_plan(f"layers.{i}", sequence_parallel, model.dims.mlp, model.dims.fused_projections))
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel:
         for key, block in model.layers.items():

@@ -25,7 +25,10 @@ the matmuls they keep (q, k, v, gate and up: their widths; the o and down projec
 matmul's output is before its reduction), the attention kernel's output (q) and log-sum-exp, and under tp the
 reductions' results (h, a sequence shard with sequence parallel); "op" keeps the 1st, 3rd, 5th and 7th matmul of
 the block's seven (q, v, gate, down), "selective" all seven. A GeLU block has six matmuls (no gate): "selective"
-keeps q, k, v, up and o, down; "op" the 1st, 3rd and 5th (q, v, up).
+keeps q, k, v, up and o, down; "op" the 1st, 3rd and 5th (q, v, up). With fused projections
+(model.fused_projections) a block has four matmuls, q/k/v, o, gate/up (GeLU: up), down: "selective" keeps the same
+outputs as without, "op" the 1st and 3rd (q, k, v, gate, up; GeLU: q, k, v, up); the fused matmuls keep their
+weights, not autocast's copies (only o's and down's, and GeLU's up, are copied). The activations are the same.
 
 Outside the blocks, per micro-batch: the token ids (int64), the final norm's input and 1/rms, the output
 projection's input (whole: gathered under sequence parallel), and the logits' log-softmax in fp32 (tokens x vocab
@@ -44,9 +47,12 @@ H, Q, KV, PER_HEAD, ONE = 4, 2, 2, 4, 8  # tensors of each width kept per block 
 F = {"swiglu": 3, "gelu": 2}  # ffn-wide tensors kept, by model.mlp
 
 
-def block_weights(dims: ModelDims) -> int:
-    """Elements of one block's matmul weights."""
+def block_weights(dims: ModelDims, copied: bool = False) -> int:
+    """Elements of one block's matmul weights; `copied`: of those autocast copies to low precision and keeps for
+    backward, all but the fused projections' (model.fused_projections: FusedLinear keeps the weights themselves)."""
     hd = dims.head_dim
+    if copied and dims.fused_projections:  # o, down, and GeLU's up (nothing to fuse it with)
+        return dims.n_heads * hd * dims.dim + (2 if dims.mlp == "gelu" else 1) * dims.dim * dims.ffn_dim
     return 2 * dims.n_heads * hd * dims.dim + 2 * dims.n_kv_heads * hd * dims.dim + dims.mlp_matrices * dims.dim \
         * dims.ffn_dim
 
@@ -65,7 +71,7 @@ class ActivationModel:
         per_token = (H * e * dims.dim + ONE) / seq_split + (
             Q * e * dims.n_heads * hd + KV * e * dims.n_kv_heads * hd + PER_HEAD * dims.n_heads
             + F[dims.mlp] * e * dims.ffn_dim) / tp
-        return tokens * per_token + per_weight * block_weights(dims) / tp
+        return tokens * per_token + per_weight * block_weights(dims, copied=True) / tp
 
     def partial_block_bytes(self, dims: ModelDims, tokens: int, ac: str) -> float:
         """Bytes one block keeps under train.ac = "selective" or "op" (module docstring)."""
@@ -76,6 +82,8 @@ class ActivationModel:
         gelu = dims.mlp == "gelu"
         if ac == "selective":
             mm = q + 2 * kv + (1 if gelu else 2) * f + 2 * dims.dim
+        elif dims.fused_projections:  # the odd-numbered of qkv, o, gate/up (GeLU: up), down: qkv and gate/up
+            mm = q + 2 * kv + (1 if gelu else 2) * f
         else:  # the odd-numbered matmuls: q, v, gate, down (SwiGLU); q, v, up (GeLU)
             mm = q + kv + f + (0 if gelu else dims.dim)
         reductions = 2 * dims.dim / seq_split if tp > 1 else 0.0
@@ -88,7 +96,8 @@ class ActivationModel:
         per_weight = MODES[self.mode][1]
         if not per_weight:
             return 0.0
-        return per_weight * (blocks * block_weights(dims) + (dims.vocab_size * dims.dim if head else 0)) / self.tp
+        return per_weight * (blocks * block_weights(dims, copied=True) + (dims.vocab_size * dims.dim if head else 0)) \
+            / self.tp
 
     def input_bytes(self, dims: ModelDims, tokens: int) -> float:
         """What a checkpointed block keeps: its input (the residual stream, in the compute dtype)."""

@@ -57,12 +57,13 @@ def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, in
 
 def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                   peak_per_rank: bool = False) -> timing.TimeEstimate:
-    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel; FSDP accumulates whole
-    gradients and reduce-scatters once per step (parallel/data.py); ZeRO-1 all-reduces and broadcasts. A measured
-    (calibrated CPU) profile is one host that runs every rank of the job (a local run, or the local Slurm cluster's
-    nodes): its GEMM rate is the host's, shared by the ranks, and more ranks than cores slow the host's own work as
-    much, unless peak_per_rank (a rate each rank measured with the others computing, one rank per core); it takes
-    the calibrated efficiency and, unless host=False, the host's per-block and per-step work (Hardware.host_*_s)."""
+    """hpctrain's own layouts: separate q/k/v and gate/up projections under tensor parallel unless
+    model.fused_projections; FSDP accumulates whole gradients and reduce-scatters once per step
+    (parallel/data.py); ZeRO-1 all-reduces and broadcasts. A measured (calibrated CPU) profile is one host that
+    runs every rank of the job (a local run, or the local Slurm cluster's nodes): its GEMM rate is the host's,
+    shared by the ranks, and more ranks than cores slow the host's own work as much, unless peak_per_rank (a
+    rate each rank measured with the others computing, one rank per core); it takes the calibrated efficiency
+    and, unless host=False, the host's per-block and per-step work (Hardware.host_*_s)."""
     p, t, lay = cfg.parallel, cfg.train, plan.layout
     cpu = {"block": 0.0, "tp_block": 0.0, "step": 0.0}
     if hw.measured and host:
@@ -82,8 +83,8 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            zero_stage=2 if p.zero_stage == 3 and lay.pp > 1 else p.zero_stage,
                            accumulate_unsharded=True, zero1_broadcast=True,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
-                           precision=t.precision, reduce_dtype=t.reduce_dtype, tp_projections="separate",
-                           efficiency=hw.efficiency,
+                           precision=t.precision, reduce_dtype=t.reduce_dtype, efficiency=hw.efficiency,
+                           tp_projections="fused" if plan.dims.fused_projections else "separate",
                            host_block_s=cpu["tp_block" if lay.tp > 1 else "block"], host_step_s=cpu["step"])
 
 

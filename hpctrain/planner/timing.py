@@ -12,8 +12,8 @@ FLOPs per token (a token of one sequence of length s; d = dim, L = layers, V = v
 - hardware FLOPs add what recomputation runs again: "full" one more forward of every block (2 per block weight +
   4 d s), "every" that on every k-th block (hpctrain's train.ac_every), "selective" no matmul (hpctrain's: norms,
   rotary and SwiGLU again), "op" the forward of every other matmul (k, o and the MLP's second: hpctrain's
-  train.ac = "op"), "attention-core" the attention core's forward only (4 d s per layer; Megatron's selective
-  recompute, for published runs); the logit layer is never recomputed.
+  train.ac = "op"; with fused projections o and down), "attention-core" the attention core's forward only (4 d s
+  per layer; Megatron's selective recompute, for published runs); the logit layer is never recomputed.
   For a GPT block this reproduces Narayanan et al. 2021 eq. 3 (96 L d^2 + 16 L d s + 6 V d per token).
 Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-batches of b sequences):
 - compute = the stage's hardware FLOPs / (EFFICIENCY x dense peak of the precision's matmul dtype). The stage runs
@@ -23,10 +23,11 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
 - tensor parallel, per block and micro-batch: 2 all-reduces forward + 2 backward (+2 per recomputed block) of
   b s d activation bytes, ring cost 2 (t-1)/t x size / link; sequence parallel swaps each for an all-gather plus
   a reduce-scatter, the same volume. Backward's 2 assume fused projections (tp_projections="fused": Megatron's
-  one QKV and one gate/up matrix); with "separate" ones (hpctrain's DTensor plan: wq, wk, wv, w1, w3 each a
-  ColwiseParallel module) each projection's input gradient is all-reduced on its own, 5 per block, unless
-  sequence parallel gathers the block's input once. Plus per micro-batch the embedding's forward all-reduce and
-  the logit layer's backward one (one of them on a pipeline stage). The link is NVLink while tp fits in a node.
+  one QKV and one gate/up matrix, and hpctrain's with model.fused_projections); with "separate" ones (hpctrain's
+  default DTensor plan: wq, wk, wv, w1, w3 each a ColwiseParallel module) each projection's input gradient is
+  all-reduced on its own, 5 per block, unless sequence parallel gathers the block's input once. Plus per
+  micro-batch the embedding's forward all-reduce and the logit layer's backward one (one of them on a pipeline
+  stage). The link is NVLink while tp fits in a node.
   Exposed unless tp_overlap (then only what exceeds the compute is).
 - data parallel, on the stage's parameters P (params / (t p)), N = dp: DDP 2 (N-1)/N P g once per step (g: grad
   reduce bytes, fp32 by default as hpctrain's train.reduce_dtype); ZeRO-1/2 a reduce-scatter of grads plus an
@@ -84,11 +85,12 @@ class Shape:
     vocab: int
     mlp: str = "swiglu"  # "swiglu" (3 matrices) | "gelu" (2 matrices)
     tied: bool = False
+    fused: bool = False  # q/k/v and gate/up as one matmul each (hpctrain's model.fused_projections)
 
     @staticmethod
     def of(dims) -> Shape:
         return Shape(dims.n_layers, dims.dim, dims.ffn_dim, dims.n_heads, dims.n_kv_heads, dims.vocab_size,
-                     dims.mlp, dims.tie_embeddings)
+                     dims.mlp, dims.tie_embeddings, dims.fused_projections)
 
     def block_weights(self) -> int:
         """Weights of one block's matmuls."""
@@ -128,9 +130,10 @@ def block_flops(shape: Shape, seq_len: int, recompute: str = "none", ac_every: i
     extra = full * (2.0 * shape.block_weights() + attn)
     if recompute == "attention-core":
         extra = attn
-    elif recompute == "op":  # the 2nd, 4th and 6th of the block's matmuls: k, o, and up (SwiGLU) or down (GELU)
-        head_dim = shape.dim // shape.n_heads
-        extra = 2.0 * shape.dim * (shape.n_kv_heads * head_dim + shape.n_heads * head_dim + shape.ffn_dim)
+    elif recompute == "op":  # the 2nd, 4th and 6th of the block's matmuls: k, o, and up (SwiGLU) or down (GELU);
+        head_dim = shape.dim // shape.n_heads  # fused projections (4 matmuls): the 2nd and 4th, o and down
+        kv = 0 if shape.fused else shape.n_kv_heads * head_dim
+        extra = 2.0 * shape.dim * (kv + shape.n_heads * head_dim + shape.ffn_dim)
     return 6.0 * shape.block_weights() + 3 * attn + extra
 
 

@@ -123,8 +123,18 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
             torch.save({"losses": summary["losses"], "grad_norms": [float(r["grad_norm"]) for r in rows],
                         "skipped": [bool(r["skipped"]) for r in rows], "scales": [r["loss_scale"] for r in rows],
                         "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0],
-                        "outputs_kept": int(kept)}, out)
+                        "outputs_kept": int(kept), "fused": fused_modules([tr.model, *tr.pm.parts])}, out)
     return {"losses": summary["losses"]}
+
+
+def fused_modules(models) -> dict[str, int]:
+    """The fused projections (model.fused_projections) a rank's model parts run, by class: FusedProjection in one
+    process, ShardFusedProjection under tensor parallel."""
+    from hpctrain.model.transformer import FusedProjection
+    found: dict[str, int] = {}
+    for m in {id(m): m for part in models for m in part.modules() if isinstance(m, FusedProjection)}.values():
+        found[type(m).__name__] = found.get(type(m).__name__, 0) + 1
+    return found
 
 
 def _poison_next_gradients(tr: Trainer) -> None:

@@ -58,6 +58,15 @@ def _cases(out: Path) -> list[dict]:
         {"name": "zero1_to_dp4", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=2", "train.steps=8",
                                                f"train.resume={out / 'ckZ' / 'step_00000006'}", ck("ckZ2"),
                                                "checkpoint.at_end=false"]},
+        # fused projections keep the parameters' names: tp2 with sequence parallel and ZeRO-1 runs them from the
+        # separate projections' ZeRO-3 checkpoint, saves at step 6 and at its end; plain dp=4 ZeRO-3 goes on from step 6
+        {"name": "fused_tp2", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                            "parallel.zero_stage=1", "train.micro_batch_size=4",
+                                            "model.fused_projections=true", "train.steps=8", f"train.resume={step4}",
+                                            "checkpoint.every_steps=2", ck("ckU")]},
+        {"name": "fused_to_dp4", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=2", "train.steps=8",
+                                               f"train.resume={out / 'ckU' / 'step_00000006'}", ck("ckU2"),
+                                               "checkpoint.at_end=false"]},
         # tied embeddings: one process's layout saves at step 4; pp=2 x dp=2 ZeRO-1 (the last stage's copy and its
         # AdamW state saved under the embedding's name) goes on from it and saves at step 6; the first goes on
         {"name": "tied_full", "overrides": LAYOUT + TIED + ["train.steps=8", "checkpoint.every_steps=4", ck("ckT"),
@@ -125,6 +134,21 @@ def _continues_from_step4(got: dict, ref: dict, step: int = 4) -> None:
 @pytest.mark.parametrize("layout", ["dp4", "tp4", "zero1_tp2"])
 def test_reshard_on_load(runs, layout) -> None:
     _continues_from_step4(runs[layout], runs["full"])
+
+
+def test_fused_projections_reshard_to_and_from_separate_ones(runs, tmp_path) -> None:
+    """model.fused_projections changes no checkpoint key: a fused tp2 x dp2 ZeRO-1 run goes on from the separate
+    projections' ZeRO-3 checkpoint, plain dp=4 ZeRO-3 goes on from the fused run's, each the uninterrupted run;
+    the fused run's checkpoint exports for transformers and computes its logits."""
+    from hfcheck import LOGIT_TOL, logit_diff
+
+    from hpctrain.hf.export import export_hf
+
+    _continues_from_step4(runs["fused_tp2"], runs["full"])
+    _continues_from_step4(runs["fused_to_dp4"], runs["full"], step=6)
+    ckpt = runs["out"] / "ckU" / "step_00000008"
+    export_hf(ckpt, tmp_path / "hf")
+    assert logit_diff(tmp_path / "hf", ckpt, runs["fused_tp2"]["weights"], 48) <= LOGIT_TOL
 
 
 def test_tied_embeddings_reshard_across_pipeline_ranks(runs) -> None:

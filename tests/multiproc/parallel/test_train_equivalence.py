@@ -32,6 +32,7 @@ from helpers.training import (
 
 PP = ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
 FOUR_LAYERS = ["model.n_layers=4"]  # 2 virtual stages on each of 2 ranks: a block per stage
+FUSED = "model.fused_projections=true"
 TWO = [
     {"name": "tp2", "overrides": ["parallel.tp=2"]},
     {"name": "tp2_sp", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true"]},
@@ -51,6 +52,10 @@ TWO = [
       for ac in ("selective", "op")],
     # GPT's two-matrix MLP (model.mlp = "gelu"): w1 column-, w2 row-parallel
     {"name": "tp2_sp_gelu", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.mlp=gelu"]},
+    # fused projections (model.fused_projections): q/k/v and gate/up each one matmul over this rank's rows
+    {"name": "tp2_fused", "overrides": ["parallel.tp=2", FUSED]},
+    *[{"name": f"tp2_sp_fused{ac}", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", FUSED]
+       + (["train.ac=op"] if ac else [])} for ac in ("", "_op")],
     {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
     {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
@@ -73,6 +78,10 @@ FOUR = [
     {"name": "dp4_zero1_accum2", "overrides": ["parallel.zero_stage=1", "train.micro_batch_size=1",
                                                "train.grad_accum=2"]},
     {"name": "pp2tp2", "overrides": PP + ["parallel.tp=2"]},
+    {"name": "pp2tp2_fused", "overrides": PP + ["parallel.tp=2", FUSED]},
+    {"name": "tp2dp2_zero1_sp_fused", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                    "parallel.zero_stage=1", "train.micro_batch_size=2",
+                                                    "train.grad_accum=2", FUSED]},
     {"name": "pp2tp2_tied", "overrides": PP + ["parallel.tp=2", "model.tie_embeddings=true"]},
     {"name": "pp2dp2_zero3_tied", "overrides": PP + ["parallel.zero_stage=3", "train.micro_batch_size=1",
                                                      "model.tie_embeddings=true"]},
@@ -101,6 +110,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case(FOUR_LAYERS, out / "ref4.pt")
     run_case(["model.tie_embeddings=true"], out / "ref_tied.pt")
     run_case(["model.mlp=gelu"], out / "ref_gelu.pt")
+    run_case([FUSED], out / "ref_fused.pt")
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = spawn_train_worker(4, FOUR, out)
     logs += [p.communicate(timeout=600)[0] for p in running[4]]
@@ -120,7 +130,7 @@ def test_layout_matches_single_process(results, case) -> None:
 
 @pytest.mark.parametrize("case, twin", [("ac_selective", "ref"), ("ac_op", "ref"), ("tp2_sp_selective", "tp2_sp"),
                                         ("tp2_sp_op", "tp2_sp"), ("dp2_zero3_op", "dp2_zero3"),
-                                        ("pp2_1f1b_selective", "pp2_1f1b")])
+                                        ("pp2_1f1b_selective", "pp2_1f1b"), ("tp2_sp_fused_op", "tp2_sp_fused")])
 def test_partial_recompute_changes_nothing(results, case, twin) -> None:
     """train.ac = "selective" and "op" compute again in backward what they did not keep: the same values, so the
     same run bit for bit as without recomputation, in one process and under tp with sequence parallel, ZeRO-3 and
@@ -135,6 +145,18 @@ def test_gelu_mlp_matches_single_process(results) -> None:
     assert "layers.0.feed_forward.w3.weight" not in results["ref_gelu"]["weights"]
     assert not torch.equal(results["ref_gelu"]["weights"]["output.weight"], results["ref"]["weights"]["output.weight"])
     compare_runs(results["tp2_sp_gelu"], results["ref_gelu"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+@pytest.mark.parametrize("case", ["ref_fused", "tp2_fused", "tp2_sp_fused", "pp2tp2_fused", "tp2dp2_zero1_sp_fused"])
+def test_fused_projections_match_single_process(results, case) -> None:
+    """model.fused_projections trains the same model as separate projections (the one-process reference has
+    them): one process, tp with and without sequence parallel, a pipeline, ZeRO-1; the weights keep their names."""
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    # 2 per block (q/k/v, gate/up), on every rank's blocks: the flag took effect, sharded over tp where there is tp
+    blocks = 1 if case.startswith("pp2") else 2
+    assert results[case]["fused"] == {"FusedProjection" if case == "ref_fused" else "ShardFusedProjection":
+                                      2 * blocks}, results[case]["fused"]
+    assert results["ref"]["fused"] == {} and results["tp2_sp"]["fused"] == {}
 
 
 def test_tied_embeddings_stay_one_matrix(results) -> None:

@@ -52,6 +52,38 @@ def test_gelu_mlp_has_two_matrices_and_gpt_width() -> None:
         ModelConfig(mlp="relu")
 
 
+@pytest.mark.parametrize("mlp, autocast", [("swiglu", False), ("swiglu", True), ("gelu", False)])
+def test_fused_projections_are_the_same_model(mlp, autocast) -> None:
+    """model.fused_projections: q/k/v and SwiGLU's gate/up as one matmul each, over the same parameters (names,
+    count, state dict): the forward equal to the separate projections', the gradients equal to rounding (fp32; bf16
+    autocast to bf16's), each in the parameter's dtype; the fused matmul keeps its input and the weights themselves,
+    no concatenated copy, and v gets its own storage (attention keeps it)."""
+    a, b = _model(n_kv_heads=2, mlp=mlp), _model(n_kv_heads=2, mlp=mlp, fused_projections=True)
+    assert a.state_dict().keys() == b.state_dict().keys() and b.dims.fused_projections
+    b.load_state_dict(a.state_dict())
+    att, ff = b.layers["0"].attention, b.layers["0"].feed_forward
+    assert isinstance(att.qkv, model.FusedProjection) and (ff.gate_up is None) == (mlp == "gelu")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for m in (a, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(tokens)
+        out.float().square().mean().backward()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    tol = 2e-2 if autocast else 1e-5
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert q.grad.dtype == p.dtype
+        assert (p.grad - q.grad).abs().max() <= tol * p.grad.abs().max(), name
+    x = torch.randn(2, 16, 32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        q, k, v = att.qkv(x.requires_grad_(True))
+    assert len(saved) == 4 and saved[0] is x and all(s is w for s, w in zip(saved[1:], (att.wq.weight, att.wk.weight,
+                                                                                         att.wv.weight)))
+    assert q.shape == (2, 16, 32) and k.shape == v.shape == (2, 16, 16)
+
+
 def test_native_gqa_where_a_kernel_reads_grouped_heads() -> None:
     """enable_gqa on CPUs and for CUDA flash (fp16/bf16, not ROCm); repeat where only the memory-efficient
     kernel fits (CUDA fp32), which rejects grouped heads, and where this torch lacks the argument."""

@@ -166,6 +166,35 @@ def test_gpt_flops_equal_megatron_equations():
         assert every == pytest.approx(share * full_extra)
 
 
+def test_fused_projections_recompute_o_and_down_under_op():
+    """train.ac = "op" recomputes every other matmul: k, o and the MLP's second of separate projections, o and down
+    of fused ones (model.fused_projections: q/k/v, o, gate/up, down); the plan's own estimate models fused ones'
+    tensor-parallel traffic as Megatron's (one input gradient per fused matmul)."""
+    import dataclasses
+
+    from hpctrain.config import load_config
+    from hpctrain.parallel import mesh
+    from hpctrain.parallel.plan import make_plan
+    from hpctrain.planner.report import time_estimate
+
+    dims = ModelDims(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                     max_seq_len=8192, tie_embeddings=False)
+    separate, fused = Shape.of(dims), Shape.of(dataclasses.replace(dims, fused_projections=True))
+    assert fused.fused and not separate.fused
+    none = hardware_flops_per_token(separate, 8192, "none")
+    assert hardware_flops_per_token(fused, 8192, "none") == none
+    assert hardware_flops_per_token(separate, 8192, "op") - none == pytest.approx(32 * 2 * 4096 * (1024 + 4096 + 14336))
+    assert hardware_flops_per_token(fused, 8192, "op") - none == pytest.approx(32 * 2 * 4096 * (4096 + 14336))
+    terms = {}
+    for flag in ("false", "true"):
+        cfg = load_config(None, ["model.dim=256", "model.n_heads=8", "model.n_layers=4", "parallel.tp=4",
+                                 "job.tasks_per_node=4", f"model.fused_projections={flag}", "train.micro_batch_size=1"])
+        plan = make_plan(cfg, mesh.block_placement(cfg.job.nodes, cfg.job.tasks_per_node), training=True)
+        terms[flag] = time_estimate(cfg, plan, profile("h100-sxm")).terms["tp_comm_total_s"]
+    # per block 2 forward + 5 (separate) or 2 (fused) backward all-reduces, and the 2 of the embedding and logits
+    assert terms["true"] / terms["false"] == pytest.approx((4 * 4 + 2) / (4 * 7 + 2))
+
+
 def test_bubble():
     assert bubble_fraction(1, 8) == 0.0
     assert bubble_fraction(4, 8) == pytest.approx(3 / 8)
