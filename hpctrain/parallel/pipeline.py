@@ -93,14 +93,68 @@ class TiedEmbedding:
 
 def timed_stage_class():
     from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import stage as torch_stage
+    make_buffer = torch_stage._make_tensor_from_meta  # torch's own, private
 
     class TimedStage(PipelineStage):
         """A PipelineStage that adds up the time its compute takes (forward, backward, weight gradients);
         what remains of a step is the bubble plus communication. CUDA events on a GPU. Only while `timing`:
-        Pipeline.step turns it on for the steps it times."""
+        Pipeline.step turns it on for the steps it times.
+
+        Its receive buffers live only while their micro-batch does: torch's stage allocates one buffer for the
+        input activations and one for the gradients coming back for every micro-batch of the step, and keeps
+        them all between steps (m x 2 activations of b s h: 98 GiB per GPU on the 1T GPT layout's 512
+        micro-batches, where Megatron receives into fresh tensors). Here a buffer is allocated when its receive
+        is posted and dropped when its micro-batch's backward is done (the input activations autograd still
+        needs stay alive through autograd: they are the stage's first block's input, counted as activations)."""
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.busy_s, self._events, self.timing = 0.0, [], True
+
+        def _unallocated(self, prepare, *args, **kwargs):
+            """torch's preparation of the first step, its m receive buffers made on the meta device (no memory)
+            and dropped: each is made when its receive is posted."""
+            torch_stage._make_tensor_from_meta = lambda meta, device: make_buffer(meta, torch.device("meta"))
+            try:
+                return prepare(*args, **kwargs)
+            finally:
+                torch_stage._make_tensor_from_meta = make_buffer
+                self.release_buffers()
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            return self._unallocated(super()._prepare_forward_infra, *args, **kwargs)
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            return self._unallocated(super()._prepare_backward_infra, *args, **kwargs)
+
+        @staticmethod
+        def _held(infos) -> list:
+            return [i for i in infos if not i.is_root_arg and i.tensor_meta is not None]
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int):
+            for info in self._held(self.args_recv_info.get(fwd_chunk_id, ())):
+                if info.buffer is None:
+                    info.buffer = make_buffer(info.tensor_meta, self.device)
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int):
+            if self.has_backward and not self.is_last:
+                for info in self._held(self.grad_recv_info.get(bwd_chunk_id, ())):
+                    if info.buffer is None:
+                        info.buffer = make_buffer(info.tensor_meta, self.device)
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+
+        def release_buffers(self, chunk: int | None = None) -> None:
+            """Drops the receive buffers of micro-batch `chunk` (all when None)."""
+            chunks = self.args_recv_info.keys() | self.grad_recv_info.keys() if chunk is None else [chunk]
+            for c in chunks:
+                for info in self._held((*self.args_recv_info.get(c, ()), *self.grad_recv_info.get(c, ()))):
+                    info.buffer = None
+
+        def held_buffers(self) -> int:
+            """Receive buffers this stage holds now (after a step: none)."""
+            infos = [i for d in (self.args_recv_info, self.grad_recv_info) for t in d.values() for i in t]
+            return sum(1 for i in self._held(infos) if i.buffer is not None)
 
         def _timed(self, fn, *args, **kwargs):
             if not self.timing:
@@ -121,8 +175,10 @@ def timed_stage_class():
         def forward_one_chunk(self, *args, **kwargs):
             return self._timed(super().forward_one_chunk, *args, **kwargs)
 
-        def backward_one_chunk(self, *args, **kwargs):
-            return self._timed(super().backward_one_chunk, *args, **kwargs)
+        def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+            out = self._timed(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
+            self.release_buffers(bwd_chunk_id)
+            return out
 
         def backward_weight_one_chunk(self, *args, **kwargs):
             return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
@@ -224,8 +280,12 @@ class Pipeline:
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
         for st in self.stages:
             st.timing = False
-        with context, self._forward_only():
-            self.schedule.eval(*args, **kwargs)
+        try:
+            with context, self._forward_only():
+                self.schedule.eval(*args, **kwargs)
+        finally:
+            for st in self.stages:
+                st.release_buffers()
         total = torch.zeros((), device=self.device)
         if self.last:
             total = sum((t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float() for t in losses)

@@ -24,8 +24,10 @@ tests/multiproc/planner/test_planner_memory.py):
   or under pipeline parallel: parallel.data.allreduce_grads): masters, AdamW state, gradients, the copy.
 - "optimizer": foreach AdamW's step: masters, gradients, AdamW state and a temporary the size of what it steps
   (the square root of exp_avg_sq: 4 bytes per element, half the AdamW state).
-Under pipeline parallel every moment also has the schedule's buffers: per micro-batch a receive buffer for the
-input activations (all stages but the first) and one for the gradients coming back (all but the last). The last
+Under pipeline parallel every moment also has the schedule's receive buffers: one for input activations (all stages
+but the first) and one for the gradients coming back (all but the last); hpctrain's stages make each when its
+receive is posted and drop it after its micro-batch's backward (parallel.pipeline: torch kept one of each per
+micro-batch of the step), and a micro-batch in flight holds its input as its first block's input (activations). The last
 stage keeps no micro-batch's logits past its backward: the trainer asks the schedule for no merged output
 (parallel.pipeline.Pipeline; torch older than that option keeps them all, m logits more on the last stage).
 
@@ -108,7 +110,7 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     if plan.stages is not None:
         stages = plan.stages.stages_of(pp_rank)
         width = model.input_bytes(dims, tokens)
-        buffers = m * width * sum((s != 0) + (s != plan.stages.last) for s in stages)
+        buffers = width * sum((s != 0) + (s != plan.stages.last) for s in stages)
     ddp = zero in (0, 1) and lay.tp == 1 and plan.stages is None
     # an earlier micro-batch's gradients; FSDP's unsharded, in train.reduce_dtype under mixed precision
     low_reduce = t.reduce_dtype == "bf16" and t.precision in LOW

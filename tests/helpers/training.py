@@ -117,13 +117,17 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
         # what a pipeline's stages still hold of the last step's outputs (the schedule's merged output: logits)
         import torch.distributed as dist
         kept = torch.tensor(float(sum(len(st.output_chunks) for st in tr.pipe.stages) if tr.pipe else 0))
+        # and the receive buffers its stages hold between steps (each dropped after its micro-batch's backward)
+        held = torch.tensor(float(sum(st.held_buffers() for st in tr.pipe.stages) if tr.pipe else 0))
         if dist.is_initialized():
             dist.all_reduce(kept)
+            dist.all_reduce(held)
         if s.rank == 0:
             torch.save({"losses": summary["losses"], "grad_norms": [float(r["grad_norm"]) for r in rows],
                         "skipped": [bool(r["skipped"]) for r in rows], "scales": [r["loss_scale"] for r in rows],
                         "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0],
-                        "outputs_kept": int(kept), "fused": fused_modules([tr.model, *tr.pm.parts])}, out)
+                        "outputs_kept": int(kept), "recv_buffers": int(held),
+                        "fused": fused_modules([tr.model, *tr.pm.parts])}, out)
     return {"losses": summary["losses"]}
 
 

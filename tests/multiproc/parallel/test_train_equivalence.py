@@ -174,14 +174,16 @@ def test_tied_embeddings_stay_one_matrix(results) -> None:
 @pytest.mark.parametrize("case", ["pp2_gpipe", "pp2_1f1b", "pp2tp2", "pp2dp2_zero0", "pp2dp2_zero3"])
 def test_pipeline_matches_single_process(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
-    # the last stage keeps no micro-batch's logits past its backward (no merged output asked of the schedule)
-    assert results[case]["outputs_kept"] == 0
+    # the last stage keeps no micro-batch's logits past its backward (no merged output asked of the schedule), and
+    # no stage keeps a receive buffer between steps (torch's stage kept one per micro-batch for inputs and grads)
+    assert results[case]["outputs_kept"] == 0 and results[case]["recv_buffers"] == 0
 
 
 @pytest.mark.parametrize("case", ["pp2v2_interleaved_1f1b", "pp2v2_zbv", "pp4_gpipe", "pp2v2dp2_interleaved_zero1_ac",
                                   "pp2v2dp2_zbv_zero2"])
 def test_pipeline_four_stages_match_single_process(results, case) -> None:
     compare_runs(results[case], results["ref4"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results[case]["recv_buffers"] == 0
 
 
 def test_pipeline_zero3_gathers_parameters_once_per_step(results) -> None:
