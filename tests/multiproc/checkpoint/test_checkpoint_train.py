@@ -23,6 +23,7 @@ LAYOUT = ["parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]
 PP_LAYOUT = ["model.n_layers=4", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.grad_accum=4"]
 HF_MODEL = ["model.n_kv_heads=2", "model.vocab_size=200", "train.lr=0.05"]
 TIED = ["model.tie_embeddings=true"]
+GELU = ["model.mlp=gelu"]
 TIED_PP = TIED + ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=1", "train.grad_accum=4"]
 LOSS_TOL, WEIGHT_TOL = 2e-5, 2e-4  # across layouts: fp32 reduction order differs
 
@@ -32,6 +33,7 @@ def _cases(out: Path) -> list[dict]:
     step4 = out / "ckB" / "step_00000004"
     pp4 = out / "ckP" / "step_00000004"
     tied4 = out / "ckT" / "step_00000004"
+    gelu4 = out / "ckL" / "step_00000004"
     return [
         {"name": "pp_full", "overrides": PP_LAYOUT + ["train.steps=8", "checkpoint.every_steps=4", ck("ckP"),
                                                       "checkpoint.at_end=false"]},
@@ -65,8 +67,16 @@ def _cases(out: Path) -> list[dict]:
                                             "model.fused_projections=true", "train.steps=8", f"train.resume={step4}",
                                             "checkpoint.every_steps=2", ck("ckU")]},
         {"name": "fused_to_dp4", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=2", "train.steps=8",
+                                               "train.ac=selective",
                                                f"train.resume={out / 'ckU' / 'step_00000006'}", ck("ckU2"),
                                                "checkpoint.at_end=false"]},
+        # GPT's GeLU MLP: tp2 x dp2 ZeRO-3 saves at step 4, tp2 with sequence parallel, ZeRO-1 and op recompute goes on
+        {"name": "gelu_full", "overrides": LAYOUT + GELU + ["train.steps=8", "checkpoint.every_steps=4", ck("ckL"),
+                                                            "checkpoint.at_end=false"]},
+        {"name": "gelu_to_tp2", "overrides": GELU + ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                     "parallel.zero_stage=1", "train.micro_batch_size=4", "train.ac=op",
+                                                     "train.steps=8", f"train.resume={gelu4}", ck("ckL2"),
+                                                     "checkpoint.at_end=false"]},
         # tied embeddings: one process's layout saves at step 4; pp=2 x dp=2 ZeRO-1 (the last stage's copy and its
         # AdamW state saved under the embedding's name) goes on from it and saves at step 6; the first goes on
         {"name": "tied_full", "overrides": LAYOUT + TIED + ["train.steps=8", "checkpoint.every_steps=4", ck("ckT"),
@@ -138,7 +148,8 @@ def test_reshard_on_load(runs, layout) -> None:
 
 def test_fused_projections_reshard_to_and_from_separate_ones(runs, tmp_path) -> None:
     """model.fused_projections changes no checkpoint key: a fused tp2 x dp2 ZeRO-1 run goes on from the separate
-    projections' ZeRO-3 checkpoint, plain dp=4 ZeRO-3 goes on from the fused run's, each the uninterrupted run;
+    projections' ZeRO-3 checkpoint, plain dp=4 ZeRO-3 (selective recompute) goes on from the fused run's, each the
+    uninterrupted run;
     the fused run's checkpoint exports for transformers and computes its logits."""
     from hfcheck import LOGIT_TOL, logit_diff
 
@@ -149,6 +160,13 @@ def test_fused_projections_reshard_to_and_from_separate_ones(runs, tmp_path) -> 
     ckpt = runs["out"] / "ckU" / "step_00000008"
     export_hf(ckpt, tmp_path / "hf")
     assert logit_diff(tmp_path / "hf", ckpt, runs["fused_tp2"]["weights"], 48) <= LOGIT_TOL
+
+
+def test_gelu_mlp_reshards(runs) -> None:
+    """A GeLU model's ZeRO-3 checkpoint goes on in tp2 x dp2 with sequence parallel, ZeRO-1 and op recompute, as the
+    uninterrupted run."""
+    _continues_from_step4(runs["gelu_to_tp2"], runs["gelu_full"])
+    assert "layers.0.feed_forward.w3.weight" not in runs["gelu_full"]["weights"]
 
 
 def test_tied_embeddings_reshard_across_pipeline_ranks(runs) -> None:
