@@ -46,6 +46,18 @@ class Config:
                f"parallel.pp = {self.parallel.pp}: a pipelined evaluation runs the schedule's micro-batches")
         check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len = {self.data.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}")
+        p = self.parallel
+        if p.cp > 1:  # each rank holds an early and a late chunk of every sequence (causal load balance)
+            check(self.data.seq_len % (2 * p.cp) == 0, f"data.seq_len = {self.data.seq_len} must be divisible by "
+                  f"2 x parallel.cp = {2 * p.cp}: each context-parallel rank holds two equal chunks of every sequence")
+            local = self.data.seq_len // p.cp
+            check(not p.sequence_parallel or local % p.tp == 0, f"data.seq_len / parallel.cp = {local} must be "
+                  f"divisible by parallel.tp = {p.tp} with parallel.sequence_parallel: each rank's share of a "
+                  f"sequence is split again over tp")
+            gpus = p.backend == "nccl" or (p.backend == "auto" and self.job.gpus_per_node > 0)
+            check(not gpus or self.train.precision != "fp32", f"parallel.cp = {p.cp} with "
+                  f"train.precision = 'fp32' on GPUs: the ring attention runs the flash kernel, which has no fp32 "
+                  f"form on GPUs; train in bf16 (the CPU's kernel takes fp32)")
 
     @property
     def world_size(self) -> int:

@@ -123,8 +123,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_
 class ParallelConfig:
     """[parallel]: the (pp, dp, tp) layout, tp innermost, and how ranks connect."""
     pp: int = 1  # pipeline stages (across nodes)
-    dp: int = -1  # -1: whatever is left of the world after pp * tp
+    dp: int = -1  # data-parallel replicas; -1: whatever is left of the world after pp * cp * tp
     tp: int = 1  # must fit inside one node
+    cp: int = 1  # context parallel: ranks that split every sequence (ring attention), next to tp
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_s: int = 600  # collective and rendezvous timeout
     # the hang watchdog (hpctrain/hang/watchdog.py): no progress within a step's phase for this long dumps every live
@@ -159,7 +160,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_fields("parallel", self)
-        positive("parallel", self, "pp", "tp", "timeout_s", "connect_timeout_s", "pp_virtual_stages")
+        positive("parallel", self, "pp", "tp", "cp", "timeout_s", "connect_timeout_s", "pp_virtual_stages")
         positive("parallel", self, "startup_timeout_s", "flight_recorder", allow_zero=True)
         check(self.hang_timeout_s >= -1, f"parallel.hang_timeout_s = {self.hang_timeout_s} must be >= 0 (0: off), "
                f"or -1 for half of parallel.timeout_s")

@@ -143,6 +143,20 @@ class FusedProjection(nn.Module):
         return FusedLinear.apply(x, *(m.weight for m in self.members))
 
 
+class AttentionCore(nn.Module):
+    """Causal attention of q (B, H, T, hd) over k, v (B, H_kv, T, hd) through scaled_dot_product_attention; a
+    module of its own (no parameters) so context parallelism can run its ring attention in its place
+    (hpctrain.parallel.context)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves n_heads / n_kv_heads
+        native = gqa and native_gqa(q.device.type, q.dtype, torch.version.hip is not None, sdpa_has_gqa())
+        if gqa and not native:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if native else {}))
+
+
 class Attention(nn.Module):
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
@@ -152,6 +166,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d.dim, d.n_kv_heads * d.head_dim, bias=False)
         self.wo = nn.Linear(d.n_heads * d.head_dim, d.dim, bias=False)
         self.qkv = FusedProjection(self.wq, self.wk, self.wv) if d.fused_projections else None
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -164,12 +179,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, head_dim), k and v (B, H_kv, T, head_dim)
-        gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves n_heads / n_kv_heads
-        native = gqa and native_gqa(q.device.type, q.dtype, torch.version.hip is not None, sdpa_has_gqa())
-        if gqa and not native:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if native else {}))
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -3,6 +3,7 @@
 
     1. pipeline  (parallel/pipeline.py)    the rank keeps only its stages' blocks
     2. tensor    (parallel/tensor.py)      DTensor tp over the node-local mesh
+       context   (parallel/context.py)     ring attention over the cp group (its rotary rows after 6.)
     3. recompute (parallel/recompute.py)   activation checkpointing of blocks
     4. data      (parallel/data.py)        FSDP2 for ZeRO-2/3
     5. materialise (parallel/materialize.py)  each rank allocates and fills only its shards (tiled seeded init)
@@ -27,7 +28,7 @@ from torch import nn
 from hpctrain.config import Config
 from hpctrain.dtypes import torch_dtype
 from hpctrain.model.transformer import ModelDims, Transformer
-from hpctrain.parallel import data, pipeline, recompute, tensor
+from hpctrain.parallel import context, data, pipeline, recompute, tensor
 from hpctrain.parallel.materialize import materialize
 from hpctrain.parallel.mesh import Layout
 from hpctrain.parallel.plan import Plan, with_training
@@ -100,6 +101,9 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
         keys = list(model.layers)
         recomputed = [keys[i] for i in recompute.recomputed_blocks(len(keys), cfg.train.ac, cfg.train.ac_every)]
         tensor.apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel, recomputed)
+    cp = plan.layout.cp
+    if cp > 1:
+        context.apply_cp(model, mesh.group("cp"), mesh.members("cp", mesh.rank))
     recompute.apply_ac(model, cfg.train.ac, cfg.train.ac_every)
     parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     if zero in (2, 3):
@@ -108,6 +112,9 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill)
     model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
                                      compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16")
+    if cp > 1:  # after DDP's construction, which broadcasts every buffer from dp rank 0 (its rotary rows)
+        context.place_rotary([getattr(model, "module", model), *parts],
+                             context.positions(cfg.data.seq_len, cp, mesh.cp_rank))
     autocast = None if zero in (2, 3) else low  # FSDP casts parameters itself; master weights stay fp32 in shards
     tied = pipeline.TiedEmbedding.build(model, stages, mesh) if stages else None
     return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type, tied)

@@ -67,7 +67,7 @@ def no_forward_buffer_sync(ddp_class) -> dict[str, bool]:
     made dp rank 0 wait inside its forward for a slow peer). torch 2.13 names it forward_sync_buffers and warns on
     every rank of every job that broadcast_buffers is deprecated; older torch (the floor is 2.9) knows only
     broadcast_buffers. forward_sync_buffers=False still broadcasts them once at construction: identical values,
-    once."""
+    once (context parallel gives each rank its own rows afterwards: parallel.compose)."""
     import inspect
     if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
         return {"forward_sync_buffers": False}

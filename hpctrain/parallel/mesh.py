@@ -3,9 +3,13 @@ process groups.
 
 Ranks are laid out as a (pp, dp, tp) grid with tp innermost, rank = (pp_rank * dp + dp_rank) * tp + tp_rank,
 so with Slurm's block placement a tp group is a run of neighbouring ranks on one node (NVLink) while pp and dp
-groups stride across nodes (InfiniBand). The arithmetic needs no processes; `build_mesh` needs an initialised
-torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp"); the node mesh ("inter", "intra") is built
-when a payload first asks for one of its groups (the benchmark does; training does not).
+groups stride across nodes (InfiniBand). Context parallel (cp > 1) splits each dp group: the dp ranks hold the same
+parameters and average their gradients (Megatron's data x context group), and each run of cp neighbouring dp
+ranks (cp_rank = dp_rank % cp) reads the same sequences, each its share of every sequence: so a cp group sits
+next to the tp groups, inside a node while cp x tp fits in one. The arithmetic needs no processes; `build_mesh`
+needs an initialised torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp"); the node mesh
+("inter", "intra") and the cp groups are built when something first asks for one of their groups (the benchmark
+does for the node mesh; the model's build for cp).
 """
 from __future__ import annotations
 
@@ -19,28 +23,41 @@ NODE_AXES = ("inter", "intra")  # inter: same local rank on every node; intra: a
 @dataclass(frozen=True)
 class Layout:
     pp: int
-    dp: int
+    dp: int  # ranks that share parameters and gradients: data-parallel replicas x cp
     tp: int
+    cp: int = 1  # context parallel: dp ranks that read the same sequences, each a share of them
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
+    @property
+    def data(self) -> int:
+        """Data-parallel replicas: groups of ranks that read different sequences (dp / cp)."""
+        return self.dp // self.cp
+
     def size(self, axis: str) -> int:
         return getattr(self, axis)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """rank -> {"pp": i, "dp": j, "tp": k}."""
+        """rank -> {"pp": i, "dp": j, "tp": k}; with cp > 1 also "cp" (j % cp) and "data" (j // cp)."""
         pp_rank, rest = divmod(rank, self.dp * self.tp)
         dp_rank, tp_rank = divmod(rest, self.tp)
-        return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+        out = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+        if self.cp > 1:
+            out |= {"data": dp_rank // self.cp, "cp": dp_rank % self.cp}
+        return out
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
+    def rank(self, pp: int, dp: int, tp: int, **_derived: int) -> int:
         return (pp * self.dp + dp) * self.tp + tp
 
     def group(self, rank: int, axis: str) -> list[int]:
-        """The ranks that share every coordinate with `rank` except `axis`, in axis order."""
+        """The ranks that share every coordinate with `rank` except `axis`, in axis order (cp: the dp ranks that
+        read the same sequences)."""
         c = self.coords(rank)
+        if axis == "cp":
+            first = self.rank(c["pp"], c["dp"] - c["dp"] % self.cp, c["tp"])
+            return [first + i * self.tp for i in range(self.cp)]
         members = []
         for i in range(self.size(axis)):
             c[axis] = i
@@ -60,19 +77,23 @@ class Layout:
         return [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)] for p in range(self.pp)]
 
     def __str__(self) -> str:
+        if self.cp > 1:  # dp as the user gives it: replicas of the data, cp apart
+            return f"pp={self.pp} dp={self.data} cp={self.cp} tp={self.tp}"
         return f"pp={self.pp} dp={self.dp} tp={self.tp}"
 
 
-def resolve_layout(pp: int, dp: int, tp: int, world_size: int) -> Layout:
-    """Fills in dp = -1 and checks pp * dp * tp == world_size."""
+def resolve_layout(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> Layout:
+    """Fills in dp = -1 and checks pp * dp * cp * tp == world_size; dp counts data-parallel replicas (the
+    Layout's dp is dp x cp: the ranks that share gradients)."""
     if dp == -1:
-        if world_size % (pp * tp):
-            raise ValueError(f"world size {world_size} is not divisible by pp({pp}) * tp({tp}) = {pp * tp}, "
-                             f"so dp cannot be inferred")
-        dp = world_size // (pp * tp)
-    if pp * dp * tp != world_size:
-        raise ValueError(f"pp({pp}) * dp({dp}) * tp({tp}) = {pp * dp * tp} != world size {world_size}")
-    return Layout(pp, dp, tp)
+        if world_size % (pp * cp * tp):
+            raise ValueError(f"world size {world_size} is not divisible by pp({pp}) * cp({cp}) * tp({tp}) = "
+                             f"{pp * cp * tp}, so dp cannot be inferred")
+        dp = world_size // (pp * cp * tp)
+    if pp * dp * cp * tp != world_size:
+        named = f"pp({pp}) * dp({dp}) * cp({cp}) * tp({tp})" if cp > 1 else f"pp({pp}) * dp({dp}) * tp({tp})"
+        raise ValueError(f"{named} = {pp * dp * cp * tp} != world size {world_size}")
+    return Layout(pp, dp * cp, tp, cp)
 
 
 def block_placement(nodes: int, tasks_per_node: int) -> list[int]:
@@ -121,7 +142,7 @@ def rank_table(layout: Layout, node_of_rank: Sequence[int], node_names: Sequence
             "local_rank": local_ranks[r] if local_ranks else per_node[n].index(r),
         }
         row.update(layout.coords(r))
-        for axis in AXES:
+        for axis in AXES + (("cp",) if layout.cp > 1 else ()):
             row[f"{axis}_group"] = layout.group(r, axis)
         rows.append(row)
     return rows
@@ -132,10 +153,15 @@ def format_rank_map(layout: Layout, rows: Sequence[dict[str, Any]]) -> str:
     num_nodes = len({row["node_index"] for row in rows})
     head = (f"layout {layout} on {num_nodes} node(s) x {len(rows) // max(num_nodes, 1)} rank(s): "
             f"tp inside nodes, pp and dp across")
-    cols = ["rank", "node", "local", "pp", "dp", "tp", "tp_group", "dp_group", "pp_group"]
-    cells = [[str(row["rank"]), str(row["node"]), str(row["local_rank"]), str(row["pp"]), str(row["dp"]),
-              str(row["tp"])] + ["[" + ",".join(map(str, row[f"{a}_group"])) + "]" for a in ("tp", "dp", "pp")]
-             for row in rows]
+    cp = layout.cp > 1
+    if cp:
+        head += "; cp next to tp (a cp group reads the same sequences; dp_group: the ranks sharing gradients)"
+    coords, axes = ("pp", "dp", "cp", "tp") if cp else ("pp", "dp", "tp"), ("tp", "cp", "dp", "pp") if cp else (
+        "tp", "dp", "pp")
+    cols = ["rank", "node", "local", *coords, *(f"{a}_group" for a in axes)]
+    cells = [[str(row["rank"]), str(row["node"]), str(row["local_rank"]),
+              *(str(row["data"] if a == "dp" and cp else row[a]) for a in coords)]
+             + ["[" + ",".join(map(str, row[f"{a}_group"])) + "]" for a in axes] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [cols] + cells]
     return "\n".join(lines)
@@ -150,6 +176,7 @@ class Mesh:
     node_mesh: Any = None  # torch DeviceMesh, axes ("inter", "intra"): built by the first request for its groups
     node_checks: dict[str, Any] | None = None  # check_groups of the node axes, once built
     rank: int = 0  # this process's rank (global)
+    cp_group: Any = None  # built by the first request for it (Mesh.group("cp"))
 
     @property
     def coords(self) -> dict[str, int]:
@@ -174,6 +201,8 @@ class Mesh:
             return dist.group.WORLD
         if axis in AXES:
             return self.device_mesh.get_group(axis)
+        if axis == "cp":
+            return self._cp_group()
         if axis in NODE_AXES:
             return self._node_mesh().get_group(axis)
         raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
@@ -182,13 +211,30 @@ class Mesh:
         """The ranks of `rank`'s group along axis, from the arithmetic alone (no group is built)."""
         if axis == "world":
             return list(range(self.layout.world_size))
-        if axis in AXES:
+        if axis in AXES or axis == "cp":
             return self.layout.group(rank, axis)
         if axis in NODE_AXES:
             per_node = node_members(self.node_of_rank)
             mine = per_node[self.node_of_rank[rank]]
             return mine if axis == "intra" else [ranks[mine.index(rank)] for ranks in per_node]
         raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
+
+    @property
+    def data_rank(self) -> int:
+        """Which replica of the data this rank reads (dp_rank without cp)."""
+        return self.coords["dp"] // self.layout.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["dp"] % self.layout.cp
+
+    def _cp_group(self):
+        """The cp groups, made on the first request (collective: every rank asks at the same point, the model's
+        build) as subgroups of dp: dist.new_subgroups_by_enumeration, every rank creating every group."""
+        if self.cp_group is None:
+            import torch.distributed as dist
+            self.cp_group, _ = dist.new_subgroups_by_enumeration(self.layout.groups("cp"))
+        return self.cp_group
 
     def _node_mesh(self):
         """The per-node groups, built on the first request and checked like the others. Collective: every rank

@@ -43,7 +43,7 @@ def make_plan(cfg: Config, node_of_rank: Sequence[int], training: bool | None = 
     training=None: with the training part when cfg.train.steps > 0 (the login node); a session makes the layout
     part (training=False) and its trainer adds the rest (with_training), for the config it trains."""
     p = cfg.parallel
-    layout = mesh.resolve_layout(p.pp, p.dp, p.tp, len(node_of_rank))
+    layout = mesh.resolve_layout(p.pp, p.dp, p.tp, len(node_of_rank), p.cp)
     mesh.check_topology(layout, node_of_rank)
     plan = Plan(layout, tuple(node_of_rank))
     return with_training(plan, cfg) if (bool(cfg.train.steps) if training is None else training) else plan
@@ -57,7 +57,7 @@ def with_training(plan: Plan, cfg: Config) -> Plan:
     tp, dp = plan.layout.tp, plan.layout.dp
     stages = _check_supported(cfg, dp)
     dims = ModelDims.from_config(cfg.model, tp)
-    micro, global_batch = _batch_plan(cfg, dp)
+    micro, global_batch = _batch_plan(cfg, plan.layout.data)
     notes = [pipeline_stages.describe(stages, cfg.train.grad_accum)] if stages else []
     if stages and cfg.parallel.zero_stage == 3 and dp > 1:
         notes.append(f"parallel.zero_stage = 3 with parallel.pp = {stages.pp}: each stage's parameters are gathered "
@@ -93,7 +93,8 @@ def _check_supported(cfg: Config, dp: int) -> StagePlan | None:
 
 
 def _batch_plan(cfg: Config, dp: int) -> tuple[int, int]:
-    """(micro_batch_size, global_batch_size); a global batch that does not split evenly is refused."""
+    """(micro_batch_size, global_batch_size) over dp data-parallel replicas (the ranks of a cp group read the same
+    sequences); a global batch that does not split evenly is refused."""
     t = cfg.train
     if t.global_batch_size:
         if t.global_batch_size % (dp * t.grad_accum):

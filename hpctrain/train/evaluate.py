@@ -22,14 +22,19 @@ import torch.nn.functional as F
 
 from hpctrain.config import Config
 from hpctrain.data import loader as data
+from hpctrain.parallel import context
 
 
 class Evaluator:
     def __init__(self, cfg: Config, vocab_size: int, mesh, micro_batch: int, device: torch.device) -> None:
-        dp_rank, dp_size = mesh.dp_rank, mesh.layout.dp
-        self.every, self.device, self.dp_group, self.dp_size = cfg.train.eval_every, device, mesh.group("dp"), dp_size
+        lay = mesh.layout  # the dp group's ranks each add their mean (cp ranks: over their share of the tokens)
+        self.every, self.device, self.dp_group, self.dp_size = cfg.train.eval_every, device, mesh.group("dp"), lay.dp
         source = data.open_val_source(cfg.data, vocab_size, seed=cfg.train.seed)
-        self.loader = data.EvalLoader(source, cfg.data.seq_len, micro_batch, dp_rank, dp_size, cfg.train.eval_batches)
+        self.loader = data.EvalLoader(source, cfg.data.seq_len, micro_batch, mesh.data_rank, lay.data,
+                                      cfg.train.eval_batches)
+        if lay.cp > 1:
+            self.loader = context.ShardedLoader(self.loader, context.positions(cfg.data.seq_len, lay.cp,
+                                                                               mesh.cp_rank))
         self.tokens = self.loader.num_batches * self.loader.global_batch * cfg.data.seq_len
         self.done: list[tuple[int, float]] = []  # (step, val_loss) of every evaluation of this run
 

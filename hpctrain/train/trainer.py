@@ -28,7 +28,7 @@ from hpctrain.data import loader as data
 from hpctrain.hang import stragglers
 from hpctrain.hang.heartbeat import Heartbeat
 from hpctrain.job import session
-from hpctrain.parallel import compose, pipeline
+from hpctrain.parallel import compose, context, pipeline
 from hpctrain.parallel.plan import with_training
 from hpctrain.train import evaluate, metrics, optim, resume, summary
 
@@ -128,8 +128,11 @@ class Trainer:
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
         # files no record describes: scanned once, by one rank, before any rank opens them
         data.check_ids_at_start(cfg, dist.group.WORLD, s.run_dir, s.heartbeat)
-        self.loader = data.train_loader(cfg, self.pm.dims.true_vocab_size, self.micro_batch, s.mesh.dp_rank,
-                                        layout.dp, pin_memory=self.device.type == "cuda")
+        self.loader = data.train_loader(cfg, self.pm.dims.true_vocab_size, self.micro_batch, s.mesh.data_rank,
+                                        layout.data, pin_memory=self.device.type == "cuda")
+        if layout.cp > 1:  # the cp ranks of a replica read the same sequences, each keeping its share
+            self.loader = context.ShardedLoader(self.loader, context.positions(cfg.data.seq_len, layout.cp,
+                                                                               s.mesh.cp_rank))
         self.evaluator = (evaluate.Evaluator(cfg, self.pm.dims.true_vocab_size, s.mesh, self.micro_batch, self.device)
                           if cfg.train.eval_every else None)
         self.progress = Progress()
