@@ -187,7 +187,8 @@ def _build_mesh(s: Session) -> None:
     _check_open_files(s)
     layout = s.plan.layout
     rows = mesh.rank_table(layout, node_of_rank, [i.node_name for i in idents], [i.local_rank for i in idents])
-    s.summary["layout"] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    s.summary["layout"] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp} | (
+        {"cp": layout.cp, "data": layout.data} if layout.cp > 1 else {})
     s.summary["rank_map"] = rows
     if s.rank == 0:
         for line in mesh.format_rank_map(layout, rows).splitlines():
@@ -195,11 +196,12 @@ def _build_mesh(s: Session) -> None:
     s.mesh = mesh.build_mesh(layout, node_of_rank, s.device.type)
     if s.heartbeat is not None:
         s.heartbeat.set_facts(coords=s.mesh.coords)
-    checks = mesh.check_groups(s.mesh, s.rank, s.device)
+    axes = ("world", *mesh.AXES, *(("cp",) if layout.cp > 1 else ()))  # cp: its groups are made here, collectively
+    checks = mesh.check_groups(s.mesh, s.rank, s.device, axes)
     s.summary["checks"] = checks
     if not checks["ok"]:
         raise RuntimeError("group checks failed:\n" + "\n".join(checks["failures"]))
-    log.info("all-reduce checks passed on world, %s", ", ".join(mesh.AXES))
+    log.info("all-reduce checks passed on %s", ", ".join(axes))
 
 
 @contextlib.contextmanager

@@ -70,6 +70,13 @@ def _cases(out: Path) -> list[dict]:
                                                "train.ac=selective",
                                                f"train.resume={out / 'ckU' / 'step_00000006'}", ck("ckU2"),
                                                "checkpoint.at_end=false"]},
+        # context parallel holds no state: cp2 x dp2 ZeRO-3 goes on from the step-4 checkpoint and saves at step 6,
+        # the first layout goes on from that
+        {"name": "cp2", "overrides": ["parallel.cp=2", "parallel.zero_stage=3", "train.micro_batch_size=4",
+                                      "train.steps=8", f"train.resume={step4}", "checkpoint.every_steps=2", ck("ckC"),
+                                      "checkpoint.at_end=false"]},
+        {"name": "cp_back", "overrides": LAYOUT + ["train.steps=8", f"train.resume={out / 'ckC' / 'step_00000006'}",
+                                                   ck("ckC2"), "checkpoint.at_end=false"]},
         # GPT's GeLU MLP: tp2 x dp2 ZeRO-3 saves at step 4, tp2 with sequence parallel, ZeRO-1 and op recompute goes on
         {"name": "gelu_full", "overrides": LAYOUT + GELU + ["train.steps=8", "checkpoint.every_steps=4", ck("ckL"),
                                                             "checkpoint.at_end=false"]},
@@ -160,6 +167,13 @@ def test_fused_projections_reshard_to_and_from_separate_ones(runs, tmp_path) -> 
     ckpt = runs["out"] / "ckU" / "step_00000008"
     export_hf(ckpt, tmp_path / "hf")
     assert logit_diff(tmp_path / "hf", ckpt, runs["fused_tp2"]["weights"], 48) <= LOGIT_TOL
+
+
+def test_context_parallel_resumes_any_layout(runs) -> None:
+    """A checkpoint written without cp goes on under cp = 2 (x dp 2, ZeRO-3), and the one it writes goes on
+    without: cp holds no state of its own."""
+    _continues_from_step4(runs["cp2"], runs["full"])
+    _continues_from_step4(runs["cp_back"], runs["full"], step=6)
 
 
 def test_gelu_mlp_reshards(runs) -> None:

@@ -56,6 +56,8 @@ TWO = [
     {"name": "tp2_fused", "overrides": ["parallel.tp=2", FUSED]},
     *[{"name": f"tp2_sp_fused{ac}", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", FUSED]
        + (["train.ac=op"] if ac else [])} for ac in ("", "_op")],
+    # context parallel: each rank an early and a late chunk of every sequence, ring attention over the pair
+    {"name": "cp2", "overrides": ["parallel.cp=2"]},
     {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
     {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
@@ -79,6 +81,11 @@ FOUR = [
                                                "train.grad_accum=2"]},
     {"name": "pp2tp2", "overrides": PP + ["parallel.tp=2"]},
     {"name": "pp2tp2_fused", "overrides": PP + ["parallel.tp=2", FUSED]},
+    # context parallel 4 (the ring takes 3 hops), with tp and sequence parallel, dp ZeRO-3, a pipeline, recompute
+    {"name": "cp4_selective", "overrides": ["parallel.cp=4", "train.ac=selective"]},
+    {"name": "cp2tp2_sp", "overrides": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]},
+    {"name": "cp2dp2_zero3", "overrides": ["parallel.cp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
+    {"name": "cp2pp2", "overrides": PP + ["parallel.cp=2"]},
     {"name": "tp2dp2_zero1_sp_fused", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                     "parallel.zero_stage=1", "train.micro_batch_size=2",
                                                     "train.grad_accum=2", FUSED]},
@@ -157,6 +164,14 @@ def test_fused_projections_match_single_process(results, case) -> None:
     assert results[case]["fused"] == {"FusedProjection" if case == "ref_fused" else "ShardFusedProjection":
                                       2 * blocks}, results[case]["fused"]
     assert results["ref"]["fused"] == {} and results["tp2_sp"]["fused"] == {}
+
+
+@pytest.mark.parametrize("case", ["cp2", "cp4_selective", "cp2tp2_sp", "cp2dp2_zero3", "cp2pp2"])
+def test_context_parallel_matches_single_process(results, case) -> None:
+    """parallel.cp: every sequence split over the cp ranks (ring attention, global rotary positions, the loss a mean
+    over the whole sequences) trains what one process trains, alone and with tp + sequence parallel, dp ZeRO-3, a
+    pipeline and selective recompute."""
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
 
 
 def test_tied_embeddings_stay_one_matrix(results) -> None:

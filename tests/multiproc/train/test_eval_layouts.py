@@ -25,6 +25,7 @@ LAYOUTS = {
     "pp2dp2": ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=2", "train.eval_batches=4"],
     "pp2tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=4", "train.grad_accum=2",
                "train.eval_batches=4"],
+    "cp2dp2": ["parallel.cp=2", "train.micro_batch_size=4", "train.eval_batches=2"],  # each a share of a sequence
     "pp2dp2_zbv": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
                    "train.micro_batch_size=1", "train.grad_accum=4", "train.eval_batches=8"],
 }
