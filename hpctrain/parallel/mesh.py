@@ -87,8 +87,9 @@ def resolve_layout(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> L
     Layout's dp is dp x cp: the ranks that share gradients)."""
     if dp == -1:
         if world_size % (pp * cp * tp):
-            raise ValueError(f"world size {world_size} is not divisible by pp({pp}) * cp({cp}) * tp({tp}) = "
-                             f"{pp * cp * tp}, so dp cannot be inferred")
+            named = f"pp({pp}) * cp({cp}) * tp({tp})" if cp > 1 else f"pp({pp}) * tp({tp})"
+            raise ValueError(f"world size {world_size} is not divisible by {named} = {pp * cp * tp}, so dp cannot "
+                             f"be inferred")
         dp = world_size // (pp * cp * tp)
     if pp * dp * cp * tp != world_size:
         named = f"pp({pp}) * dp({dp}) * cp({cp}) * tp({tp})" if cp > 1 else f"pp({pp}) * dp({dp}) * tp({tp})"

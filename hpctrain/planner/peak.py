@@ -70,7 +70,7 @@ def stage_activations(cfg: Config, plan: Plan, pp_rank: int) -> tuple[float, flo
     stage but the first the received input (a residual-stream width)."""
     p, t, lay = cfg.parallel, cfg.train, plan.layout
     model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
-    tokens = plan.micro_batch * cfg.data.seq_len
+    tokens = plan.micro_batch * cfg.data.seq_len // plan.layout.cp  # a cp rank holds its share of each sequence
     if plan.stages is None:
         n = plan.dims.n_layers
         kept = n - model.checkpointed(n, t.ac, t.ac_every)
@@ -96,7 +96,7 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     masters = states["grads"] if fsdp else states["params"]
     gathered = states["params"] - masters
     grads, opt = states["grads"], states["optimizer"]
-    tokens = plan.micro_batch * cfg.data.seq_len
+    tokens = plan.micro_batch * cfg.data.seq_len // plan.layout.cp  # a cp rank holds its share of each sequence
     model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
     m = t.grad_accum
     head = plan.stages is None or plan.stages.last in plan.stages.stages_of(pp_rank)

@@ -11,7 +11,6 @@ context.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.parallel import mesh
@@ -76,7 +75,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
         crowd = max(1.0, lay.world_size / hw.gpus_per_node)  # ranks per core (gpus_per_node: the host's cores)
         cpu = {k: v * crowd for k, v in cpu.items()}  # host work is CPU time too
     return timing.estimate(timing.Shape.of(plan.dims), hw, seq_len=cfg.data.seq_len, global_batch=plan.global_batch,
-                           micro_batch=plan.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+                           micro_batch=plan.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.data, cp=lay.cp,
                            virtual_stages=p.pp_virtual_stages, schedule=p.pp_schedule,
                            # under pipeline parallel hpctrain's ZeRO-3 gathers once per step and keeps the stage
                            # whole (the plan's note): ZeRO-2's traffic
@@ -109,7 +108,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
     t = cfg.train
     am = ActivationModel(mode_of(t.precision, cfg.parallel.zero_stage, plan.layout.dp), plan.layout.tp,
                          cfg.parallel.sequence_parallel)
-    tokens = plan.micro_batch * cfg.data.seq_len
+    tokens = plan.micro_batch * cfg.data.seq_len // plan.layout.cp  # a cp rank holds its share of each sequence
     recomputed = {"none": None, "full": am.input_bytes, "every": am.input_bytes}.get(
         t.ac, lambda d, n: am.partial_block_bytes(d, n, t.ac))
     per_layer = {  # one layer, one micro-batch, in bytes: kept whole, and as train.ac keeps a recomputed layer
@@ -125,7 +124,8 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
                      f"job.signal_delay_s = {cfg.job.signal_delay_s}: a preemption or the time limit would end the "
                      f"job before its save commits; raise job.signal_delay_s or save less (ZeRO does not shrink it)")
     return {
-        "gpu": hw.name, "layout": dataclasses.asdict(plan.layout) | {"zero_stage": cfg.parallel.zero_stage},
+        "gpu": hw.name, "layout": {"pp": plan.layout.pp, "dp": plan.layout.data, "tp": plan.layout.tp,
+                                          "cp": plan.layout.cp, "zero_stage": cfg.parallel.zero_stage},
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
         "memory_gib_per_gpu": total / GIB, "model_states_gib": {k: v / GIB for k, v in states.items()},

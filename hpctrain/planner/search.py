@@ -4,10 +4,12 @@ throughput among those that fit, and the others counted by why they were refused
 
 Enumerated: tp and pp among the divisors of the world (the plan's checks refuse tp across nodes, heads or layers
 that do not divide, ...), dp the rest; ZeRO stages 0-3; recomputation none, full and every other block; micro-batch
-sizes that divide the per-replica batch (grad_accum follows: global = micro x accum x dp); sequence parallel on
-and off with tp > 1; with pp > 1 the schedules of SCHEDULES (1F1B, GPipe, interleaved 1F1B with 2 and 4 virtual
-stages). Everything else is the config's. Zero-bubble schedules are not searched: their in-flight activations
-(deferred weight gradients) are not in the memory model.
+sizes that divide the per-replica batch (grad_accum follows: global = micro x accum x dp); sequence parallel on and
+off with tp > 1; with pp > 1 the schedules of SCHEDULES (1F1B, GPipe, interleaved 1F1B with 2 and 4 virtual stages);
+context parallel 2, 4, 8, ... where every rank keeps at least MIN_CP_SHARE tokens of a sequence (shorter shares
+leave the ring's hops longer than the attention blocks they hide behind). Everything else is the config's. Zero-bubble
+schedules are not searched: their in-flight activations (deferred weight gradients) are not in the memory
+model.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 # (schedule, virtual stages per rank) tried with pipeline parallel
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
+MIN_CP_SHARE = 4096  # tokens of a sequence each context-parallel rank keeps, at least
 
 
 def divisors(n: int) -> list[int]:
@@ -31,28 +34,29 @@ def divisors(n: int) -> list[int]:
 
 def candidates(cfg: Config, global_batch: int) -> Iterator[Config]:
     """Every variant of cfg the search evaluates (the config's own global batch, nodes and GPUs per node)."""
-    world = cfg.world_size
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if global_batch % dp:
+    world, seq = cfg.world_size, cfg.data.seq_len
+    cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CP_SHARE)]
+    shapes = [(t, p, c) for t in divisors(world) for p in divisors(world // t) for c in cps if world % (t * p * c) == 0]
+    for tp, pp, cp in shapes:
+        dp = world // (tp * pp * cp)
+        if global_batch % dp:
+            continue
+        schedules = SCHEDULES if pp > 1 else [("1f1b", 1)]
+        for (schedule, virtual), sp, zero, ac, micro in (
+                (s, q, z, a, m) for s in schedules for q in ((False, True) if tp > 1 else (False,))
+                for z in (0, 1, 2, 3) for a in ("none", "full", "every") for m in divisors(global_batch // dp)):
+            accum = global_batch // (dp * micro)
+            if pp > 1 and accum < pp:  # the schedule needs at least pp micro-batches
                 continue
-            schedules = SCHEDULES if pp > 1 else [("1f1b", 1)]
-            for (schedule, virtual), sp, zero, ac, micro in (
-                    (s, q, z, a, m) for s in schedules for q in ((False, True) if tp > 1 else (False,))
-                    for z in (0, 1, 2, 3) for a in ("none", "full", "every") for m in divisors(global_batch // dp)):
-                accum = global_batch // (dp * micro)
-                if pp > 1 and accum < pp:  # the schedule needs at least pp micro-batches
-                    continue
-                try:
-                    parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, zero_stage=zero,
-                                                   pp_schedule=schedule, pp_virtual_stages=virtual,
-                                                   sequence_parallel=sp)
-                    train = dataclasses.replace(cfg.train, ac=ac, ac_every=2, micro_batch_size=micro,
-                                                grad_accum=accum, global_batch_size=0)
-                except ValueError:
-                    continue  # a combination the config itself refuses
-                yield dataclasses.replace(cfg, parallel=parallel, train=train)
+            try:
+                parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero,
+                                               pp_schedule=schedule, pp_virtual_stages=virtual, sequence_parallel=sp)
+                train = dataclasses.replace(cfg.train, ac=ac, ac_every=2, micro_batch_size=micro, grad_accum=accum,
+                                            global_batch_size=0)
+                variant = dataclasses.replace(cfg, parallel=parallel, train=train)
+            except ValueError:
+                continue  # a combination the config itself refuses
+            yield variant
 
 
 def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
@@ -84,15 +88,15 @@ def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
 
 def describe(fit: list[dict[str, Any]], why: dict[str, list[float]], top: int = 15) -> str:
     lines = [f"{len(fit)} layouts fit; the {min(top, len(fit))} fastest predicted:",
-             f"  {'tp':>3} {'sp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'ac':>5} {'micro':>5} {'accum':>5} "
+             f"  {'tp':>3} {'sp':>3} {'pp':>3} {'cp':>3} {'dp':>5} {'zero':>4} {'ac':>5} {'micro':>5} {'accum':>5} "
              f"{'schedule':>17} "
              f"{'GiB/GPU':>7} {'step s':>8} {'tokens/s':>11} {'MFU':>6}"]
     for o in fit[:top]:
         lay = o["layout"]
         sp = "yes" if lay["sequence_parallel"] else "no"
         schedule = lay["schedule"] + (f" v{lay['virtual_stages']}" if lay["virtual_stages"] > 1 else "")
-        lines.append(f"  {lay['tp']:>3} {sp:>3} {lay['pp']:>3} {lay['dp']:>5} {lay['zero_stage']:>4} {lay['ac']:>5} "
-                     f"{lay['micro_batch']:>5} {lay['grad_accum']:>5} {schedule:>17} "
+        lines.append(f"  {lay['tp']:>3} {sp:>3} {lay['pp']:>3} {lay['cp']:>3} {lay['dp']:>5} {lay['zero_stage']:>4} "
+                     f"{lay['ac']:>5} {lay['micro_batch']:>5} {lay['grad_accum']:>5} {schedule:>17} "
                      f"{o['memory_gib_per_gpu']:>7.1f} {o['step_time_s']:>8.3g} {o['tokens_per_s']:>11,.0f} "
                      f"{o['mfu']:>6.1%}")
     if why:

@@ -41,6 +41,11 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   except the last block's share (a bucket cannot start before its gradients exist).
 - pipeline point-to-point: per micro-batch and virtual stage one send forward and one backward of b s d / t bytes
   (Megatron's scatter-gather, or sequence parallel shards), on the NIC when a stage fills a node.
+- context parallel (cp): each rank computes its share of every sequence (s / cp tokens, the causal work balanced),
+  the data replicas are dp and the gradient group dp x cp; per block and micro-batch the ring sends the K/V shard
+  cp - 1 hops forward (hidden behind the attention blocks' compute where it is shorter) and again in backward with
+  the fp32 K/V gradients, which take one more hop home (not overlapped: hpctrain's RingAttention waits for them);
+  on NVLink while cp x tp fits in a node, else on a NIC.
 - host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
   GPUs; a CPU calibration's Hardware.host_*_s).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
@@ -175,21 +180,22 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, accumulate_unsharded: bool = False,
-             zero1_broadcast: bool = False) -> TimeEstimate:
+             zero1_broadcast: bool = False, cp: int = 1) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
     gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel).
     zero1_broadcast: ZeRO-1 all-reduces the gradients and broadcasts the updated fp32 parameters from their owners
-    (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather."""
+    (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather.
+    cp: context parallel (dp counts the data replicas; gradients are reduced over dp x cp)."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
         raise ValueError(f"tp_projections = {tp_projections!r}: expected one of {', '.join(TP_PROJECTIONS)}")
     if reduce_dtype not in REDUCE_BYTES:
         raise ValueError(f"reduce_dtype = {reduce_dtype!r}: expected fp32 or bf16")
-    if min(seq_len, global_batch, micro_batch, tp, pp, dp, virtual_stages) < 1 or zero_stage not in (0, 1, 2, 3):
-        raise ValueError("seq_len, batches, tp, pp, dp and virtual_stages must be >= 1, zero_stage 0-3")
+    if min(seq_len, global_batch, micro_batch, tp, pp, dp, cp, virtual_stages) < 1 or zero_stage not in (0, 1, 2, 3):
+        raise ValueError("seq_len, batches, tp, pp, dp, cp and virtual_stages must be >= 1, zero_stage 0-3")
     if global_batch % (dp * micro_batch):
         raise ValueError(f"global batch {global_batch} is not a multiple of dp x micro batch = {dp * micro_batch}")
     eff = EFFICIENCY if efficiency is None else efficiency
@@ -198,9 +204,9 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     peak = hw.peak(MATMUL_DTYPE[precision]) * 1e12 * eff
     m = global_batch // (dp * micro_batch)
     v = virtual_stages if pp > 1 else 1
-    tokens = global_batch * seq_len / dp  # per pipeline replica
+    tokens = global_batch * seq_len / (dp * cp)  # per pipeline replica (a cp rank: its share of the sequences)
     act, gpn = ACT_BYTES[precision], hw.gpus_per_node
-    if max(tp, pp, dp) > 1 and None in (hw.intra_node_gbps, hw.inter_node_gbps):
+    if max(tp, pp, dp, cp) > 1 and None in (hw.intra_node_gbps, hw.inter_node_gbps):
         raise ValueError(f"{hw.name}: the link bandwidths are unknown, and tp={tp} pp={pp} dp={dp} communicates: "
                          "calibrate with `hpctrain plan --calibrate --bench bench.jsonl` (an `hpctrain bench "
                          "all_reduce` run on the machine) or give --hw intra_node_gbps=... inter_node_gbps=...")
@@ -213,7 +219,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     compute = max(blocks * block, (shape.n_layers * block + head) / pp) * tokens / tp / peak
     bubble = bubble_fraction(pp, m, v, schedule) * compute
 
-    micro_bytes = micro_batch * seq_len * shape.dim * act  # one micro-batch's activations, b s d
+    micro_bytes = micro_batch * seq_len / cp * shape.dim * act  # one micro-batch's activations, b s d (/ cp)
     tp_link = intra if tp <= gpn else inter
     backward = 5 if tp_projections == "separate" and not sequence_parallel else 2
     n_coll = 2 + backward + 2 * recomputed_share(shape.n_layers, recompute, ac_every)
@@ -221,7 +227,20 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     tp_comm = (n_coll * blocks + ends) * 2 * ring(tp) * micro_bytes * m / tp_link if tp > 1 else 0.0
     tp_exposed = max(0.0, tp_comm - compute) if tp_overlap else tp_comm
 
+    ring_comm = ring_exposed = 0.0
+    if cp > 1:  # per block and micro-batch: cp - 1 hops of the K/V shard forward, again in backward with the
+        # fp32 K/V gradients, which take one more hop home; the forward hops hide behind the attention blocks
+        kv_bytes = 2 * micro_batch * seq_len / cp * shape.n_kv_heads * (shape.dim // shape.n_heads) / tp
+        cp_link = intra if cp * tp <= gpn else inter
+        fwd = (cp - 1) * kv_bytes * act / cp_link
+        bwd = ((cp - 1) * kv_bytes * act + cp * kv_bytes * 4) / cp_link
+        repeats = 1 + recomputed_share(shape.n_layers, recompute, ac_every)
+        attention = 4.0 * shape.dim * seq_len * micro_batch * seq_len / cp / tp / peak  # a block's attention forward
+        ring_comm = blocks * m * (repeats * fwd + bwd)
+        ring_exposed = blocks * m * (repeats * max(0.0, fwd - attention) + bwd)
+
     per_node = max(1, gpn // tp)  # dp ranks of one group per node
+    dp = dp * cp  # gradients and ZeRO's shards: over the data replicas and their cp ranks
     dp_link = intra if dp <= per_node else min(intra, per_node * inter)
     p_rank = shape.params() / (tp * pp)
     reduce_b = REDUCE_BYTES[reduce_dtype]
@@ -244,7 +263,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         p2p = 2 * m * v * micro_bytes / tp / p2p_link
 
     host = host_step_s + host_block_s * blocks * m
-    step = compute + bubble + tp_exposed + dp_exposed + p2p + host
+    step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + host
     model_flops = flops_per_token(shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads,
                                   shape.vocab, seq_len, shape.mlp)
     hw_flops = hardware_flops_per_token(shape, seq_len, recompute, ac_every)
@@ -254,7 +273,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     hw_tflops = hw_flops * job_tokens / gpus / 1e12
     dense = hw.peak(MATMUL_DTYPE[precision])
     terms = {"compute_s": compute, "pp_bubble_s": bubble, "tp_comm_s": tp_exposed, "tp_comm_total_s": tp_comm,
-             "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "p2p_s": p2p, "host_s": host}
+             "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "p2p_s": p2p, "cp_comm_s": ring_exposed,
+             "cp_comm_total_s": ring_comm, "host_s": host}
     basis = {"microbatches": m, "blocks_on_busiest_stage": blocks, "efficiency": eff, "tp_link_gbps": tp_link / 1e9,
              "dp_link_gbps": dp_link / 1e9}
     return TimeEstimate(step, job_tokens, model_tflops, hw_tflops, model_tflops / dense, hw_tflops / dense, terms,

@@ -97,7 +97,9 @@ def test_native_gqa_where_a_kernel_reads_grouped_heads() -> None:
 
 
 def _attention_calls(monkeypatch) -> list[tuple[int, int, dict]]:
-    """Records (query heads, key heads, keyword arguments) of every SDPA call."""
+    """Records (query heads, key heads, keyword arguments) of every SDPA call (the model's: sdpa_has_gqa's probe,
+    cached, is made first)."""
+    sdpa_has_gqa()
     calls, sdpa = [], F.scaled_dot_product_attention
 
     def spy(q, k, v, **kw):

@@ -39,7 +39,7 @@ def test_young_daly_and_the_warning() -> None:
 def test_70b_fits_with_zero3_and_not_without() -> None:
     cfg = load_config(LLAMA, [])
     ok = evaluate(cfg, profile("h100-sxm"), 5.0)
-    assert ok["fits"] and ok["layout"] == {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3}
+    assert ok["fits"] and ok["layout"] == {"pp": 1, "dp": 16, "tp": 8, "cp": 1, "zero_stage": 3}
     # 70.55e9 parameters / tp 8: ZeRO-3 shards 16 bytes each over dp 16
     assert sum(ok["model_states_gib"][k] for k in ("params", "grads", "optimizer")) == pytest.approx(
         70.554e9 / 8 * 16 / 16 / 2 ** 30, rel=0.01)
