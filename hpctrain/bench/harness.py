@@ -33,7 +33,7 @@ from hpctrain.bench.sweep import AVERAGES, BLOCKING, Row, bandwidths
 
 DTYPES = dtypes.TORCH  # -d names (nccl-tests' spelling); dtypes.canonical maps the others
 MPI_DTYPES = ("float", "double", "int32", "int64", "int8", "uint8")
-GROUPS = ("world", "pp", "dp", "tp", "intra", "inter")
+GROUPS = ("world", "pp", "dp", "tp", "cp", "intra", "inter")
 
 
 @dataclass

@@ -108,7 +108,7 @@ def submit(config: str, overrides: tuple[str, ...], dry_run: bool, wait: bool, n
             rows = mesh.rank_table(layout, plan.node_of_rank)
             click.echo(mesh.format_rank_map(layout, rows))
         else:  # a line per rank with its groups in full: 2048 x 8 ranks at dp=8192 printed 715 MB in 70 s
-            click.echo(f"layout pp={layout.pp} dp={layout.dp} tp={layout.tp}: {cfg.world_size} ranks "
+            click.echo(f"layout {layout}: {cfg.world_size} ranks "
                        f"(`hpctrain topo` prints the rank map)")
         click.echo(f"\n# sbatch script for {cfg.job.nodes} node(s) x {cfg.job.tasks_per_node} task(s); "
                    f"nothing submitted\n")
@@ -183,7 +183,7 @@ def train(config: str, overrides: tuple[str, ...], run_dir: str | None) -> None:
 @click.option("-z", "--blocking", default=0, type=click.IntRange(0, 1),
               help="0: launch the timed calls back to back, one wait at the end (nccl-tests' default); 1: wait and "
                    "pass a barrier after each call.")
-@click.option("--group", default="world", help="Communicator: world, tp, dp, pp, intra, inter.")
+@click.option("--group", default="world", help="Communicator: world, tp, dp, pp, cp, intra, inter.")
 @click.option("--backend", default="torch", help="torch (the job's gloo/NCCL) or mpi (mpi4py, host buffers).")
 @click.option("--algo", default="flat", help="all_reduce algorithm: flat or hier (two-level over nodes).")
 @click.option("-J", "--json", "json_path", default=None, help="Also write the JSON lines here.")

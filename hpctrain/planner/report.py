@@ -143,7 +143,8 @@ def describe(out: dict[str, Any]) -> str:
     """A few lines for a terminal."""
     lay, st, ck = out["layout"], out["model_states_gib"], out["checkpoint"]
     device = "ranks (one host)" if out["gpu"] == "cpu" else "GPUs"  # a CPU calibration's name
-    lines = [f"layout pp={lay['pp']} dp={lay['dp']} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
+    cp = f" cp={lay['cp']}" if lay.get("cp", 1) > 1 else ""
+    lines = [f"layout pp={lay['pp']} dp={lay['dp']}{cp} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
              f"{out['gpu']} {device}; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
              f"{out['global_batch']} (micro {out['micro_batch']})",
              f"memory per GPU: {out['memory_gib_per_gpu']:.2f} GiB of {out['gpu_memory_gib']:g} GiB (GiB: parameters "

@@ -23,7 +23,7 @@ def log_model(trainer) -> None:
     log.info("model %.2fM parameters (vocab %d, padded %d), zero %d, precision %s, ac %s, global batch %d "
              "(micro %d x accum %d x dp %d), lr %.3g", dims.num_params() / 1e6, dims.true_vocab_size,
              dims.vocab_size, t.cfg.parallel.zero_stage, t.cfg.train.precision, t.cfg.train.ac, t.global_batch,
-             t.micro_batch, t.cfg.train.grad_accum, t.plan.layout.dp, t.lr)
+             t.micro_batch, t.cfg.train.grad_accum, t.plan.layout.data, t.lr)
 
 
 def of_run(trainer, tlog: TrainLog, resumed: int | None, preempted: bool, committed: int | None) -> dict[str, Any]:

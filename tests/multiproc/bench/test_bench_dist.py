@@ -6,7 +6,8 @@ int32 max, double avg, bfloat16 sum (up to 1 MiB: several check chunks), int8 pr
 calls launched back to back (-z 0, the default) and waited for one by one (-z 1); an injected wrong element must
 fail the run; the ranks' times combine as nccl-tests' -a says (rank 0, mean, min, max of known per-rank times);
 the two-level all-reduce must equal the flat one (and a single-process reference) on the session's own
-intra/inter groups; --group intra and inter run on 2-rank groups.
+intra/inter groups; --group intra and inter run on 2-rank groups, and --group cp on the cp groups of parallel.cp = 2
+(its ring's send/receive).
 
     .venv/bin/python -m pytest tests/multiproc/bench/test_bench_dist.py -q
 """
@@ -51,6 +52,8 @@ def _cases(out: Path, world: int) -> list:
             ("hier_bench", ["all_reduce", "--algo", "hier", *SMALL]),
             ("intra", ["all", *ONE_SIZE, "--group", "intra", "-r", "1"]),
             ("inter", ["all", *ONE_SIZE, "--group", "inter"]),
+            # context parallel's ring: the 2 cp groups of 2 ranks beside tp 2 (parallel.cp = 2), the send to the next
+            ("cp", ["sendrecv", *ONE_SIZE, "--group", "cp", "--set", "parallel.cp=2"]),
         ]
     return cases
 
@@ -211,3 +214,12 @@ def test_node_groups_run_on_two_ranks(four, group, root):
     assert {r["root"] for r in rows} == {root}
     run_dir = _check_ok_run(four, group, rows)
     assert f"| group {group} (2 ranks each) |" in (run_dir / "bench.txt").read_text()
+
+
+def test_cp_group_runs_the_ring(four):
+    _, rows = _run(four, "cp")
+    _check_rows(rows, colls=["sendrecv"], sizes=[8192], nranks=2, dtype="float", op="sum", group="cp", algo="flat")
+    run_dir = _check_ok_run(four, "cp", rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"pp": 1, "dp": 2, "tp": 2, "cp": 2, "data": 1}  # the example's tp = 2
+    assert summary["checks"]["groups"]["cp"] == [[0, 2], [1, 3]]

@@ -33,6 +33,13 @@ CONFIGS = {  # config -> the row it reproduces, and what differs from the row's 
     "llama3-405b.toml": ("llama3-405b-tp8-pp16-dp64-8192gpu", {"micro_batch_seqs": 1, "virtual_stages": 4,
                                                                "sequence_parallel": True, "tied_embeddings": False,
                                                                "recompute": "every"}),
+    # Table 4's 128K row: tp 8, cp 16, pp 16 on 16,384 GPUs (dp 8 by arithmetic), not in published_runs.json
+    "llama3-405b-128k.toml": (None, {"num_gpus": 16384, "global_batch_seqs": 128, "micro_batch_seqs": 1, "tp": 8,
+                                     "pp": 16, "cp": 16, "virtual_stages": 4, "sequence_parallel": True,
+                                     "tied_embeddings": False, "recompute": "every", "gpu": "h100-sxm",
+                                     "zero_stage": 2,
+                                     "model": RUNS["llama3-405b-tp8-pp16-dp64-8192gpu"]["model"] | {
+                                         "seq_len": 131072}}),
     # the layout issue 28 names, no primary source: Llama 3 70B's shape, tp 8, pp 2, ZeRO-1; no published speed
     "llama3-70b.toml": (None, {"num_gpus": 64, "global_batch_seqs": 128, "micro_batch_seqs": 1, "tp": 8, "pp": 2,
                                "virtual_stages": 1, "sequence_parallel": True, "tied_embeddings": False,
@@ -77,13 +84,14 @@ def test_config_is_the_published_run(name) -> None:
     assert cfg.model.mlp == m["activation"] and (cfg.model.n_kv_heads or cfg.model.n_heads) == m["n_kv_heads"]
     assert cfg.model.tie_embeddings == facts["tied_embeddings"]  # under pp: the last rank's synchronised copy
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.world_size) == (facts["tp"], facts["pp"], facts["num_gpus"])
+    assert cfg.parallel.cp == facts.get("cp", 1)
     assert cfg.parallel.sequence_parallel == facts["sequence_parallel"]
     assert cfg.parallel.pp_virtual_stages == facts["virtual_stages"]
     # Megatron's selective recompute (the attention core) is what flash attention does without recomputing
     assert cfg.parallel.zero_stage == facts["zero_stage"]
     assert cfg.train.ac == {"attention-core": "none"}.get(facts["recompute"], facts["recompute"])
     assert cfg.train.micro_batch_size == facts["micro_batch_seqs"]
-    dp = facts["num_gpus"] // (facts["tp"] * facts["pp"])
+    dp = facts["num_gpus"] // (facts["tp"] * facts["pp"] * facts.get("cp", 1))
     assert cfg.train.micro_batch_size * cfg.train.grad_accum * dp == facts["global_batch_seqs"]
     assert cfg.job.gpu == facts["gpu"] and cfg.train.precision == "bf16"
 
