@@ -126,7 +126,11 @@ class RingAttention(torch.autograd.Function):
                 for r in reqs:
                     r.wait()
                 kv = nxt
-        out = torch.cat(outs, dim=2).to(q.dtype)
+        # laid out (B, T, H, hd) as the flash kernel's output is, so the o projection's input (heads folded back
+        # into the width) is a view of it, not a second copy that the projection would keep
+        B, H, T, hd = q.shape
+        out = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device).transpose(1, 2)
+        out[:, :, :c], out[:, :, c:] = outs
         lse = torch.cat(lses, dim=2)
         ctx.ring, ctx.extra = ring, extra
         ctx.save_for_backward(q, k, v, out, lse)

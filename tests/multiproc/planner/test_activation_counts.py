@@ -38,3 +38,15 @@ def test_planner_counts_what_the_blocks_keep(tmp_path, mpiexec) -> None:
         assert rows[name]["per_sbh"] <= rows[name]["formula_per_sbh"] + 8 / 256 / 2, rows[name]
     # full recompute keeps the block's input only, in the compute dtype, a sequence shard with sequence parallel
     assert rows["tp2 bf16 sp ac=full"]["per_sbh"] == rows["tp2 bf16 sp ac=full"]["formula_per_sbh"] == 1.0
+
+
+def test_planner_counts_a_context_parallel_ranks_share(tmp_path, mpiexec) -> None:
+    """With cp = 2 a rank keeps what the planner says for its share of the tokens (half of one process's), the ring
+    attention's output laid out so the o projection reads a view of it (no second copy kept)."""
+    subprocess.run([mpiexec, "-n", "2", sys.executable, str(REPO / "benchmarks" / "context_parallel.py"), "--memory",
+                    "--out", str(tmp_path), "--run-root", str(tmp_path / "runs")], cwd=REPO, env=env_with_venv(),
+                   check=True, capture_output=True, timeout=600)
+    rows = json.loads((tmp_path / "context_parallel-2ranks.json").read_text())["rows"]
+    assert [r["cp"] for r in rows] == [2, 2, 2]
+    for r in rows:
+        assert abs(r["bytes"] - r["planner_bytes"]) <= 0.001 * r["bytes"], r
