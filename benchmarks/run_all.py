@@ -1,10 +1,11 @@
 """`make bench`: the full hpctrain bench table on 4 local ranks, then the side-by-side benchmarks: collectives vs
 bare torch.distributed, Trainer overhead vs a plain loop, ZeRO memory vs its equation, activation checkpointing,
 checkpoint save/load throughput (HDF5 vs DCP vs torch.save vs dd), async checkpoint stall, pipeline bubble and
-activation memory per schedule and per block, one 70B rank's initialisation, the planner's step time.
+activation memory per schedule and per block, context parallel's memory and step time, one 70B rank's
+initialisation, the planner's step time.
 
-    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,activations,ckpt_io,ckpt_async,pipeline,
-                                        prefetch,init,plan_time]
+    python benchmarks/run_all.py [--only table,collectives,overhead,memory,ac,activations,cp,ckpt_io,ckpt_async,
+                                        pipeline,prefetch,init,plan_time]
                                  [--ranks 4]
 
 Each step is a separate launch, under mpiexec (the venv's, from the mpich wheel, or the site's) where it needs
@@ -51,6 +52,8 @@ def steps(ranks: int) -> dict[str, list[list[str]]]:
         "ac": [[sys.executable, str(HERE / "activation_checkpointing.py"), "--run-root", run_root]],
         # a driver: 1, 2 and 4 ranks (tensor parallel 1, 2, 4); bytes counted
         "activations": [[sys.executable, str(HERE / "activation_memory.py"), "--run-root", run_root]],
+        # a driver: 1, 2 and 4 ranks (cp 1, 2, 4; bytes counted), then rounds of 2-rank launches (cp 2 vs cp 1)
+        "cp": [[sys.executable, str(HERE / "context_parallel.py"), "--run-root", run_root]],
         # drivers: 1, 2 and 4 ranks; 1 and 2 ranks
         "ckpt_io": [[sys.executable, str(HERE / "checkpoint_io.py"), "--run-root", run_root]],
         "ckpt_async": [[sys.executable, str(HERE / "async_stall.py"), "--run-root", run_root]],
