@@ -89,7 +89,9 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
         plan = with_training(bare, cfg)
     tp, dp, stages, dims = plan.layout.tp, plan.layout.dp, plan.stages, plan.dims
     assert dims is not None
-    zero = cfg.parallel.zero_stage if dp > 1 else -1  # -1: no data parallel wrapping
+    # -1: no data parallel wrapping; CPU offload is FSDP's, on one GPU too (its shards are the whole model)
+    offload = cfg.parallel.offload == "all" and mesh is not None
+    zero = cfg.parallel.zero_stage if dp > 1 or offload else -1
     loss_parallel = tp > 1 and cfg.parallel.loss_parallel
     low = torch_dtype(cfg.train.precision) if cfg.train.precision != "fp32" else None
     with torch.device("meta"):
@@ -108,8 +110,9 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     if zero in (2, 3):
         data.apply_fsdp(model, mesh.device_mesh["dp"], zero, low, torch_dtype(cfg.train.reduce_dtype), parts or None,
-                        stages.pp if stages else 1)
-    unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill)
+                        stages.pp if stages else 1, offload=offload)
+    unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill,
+                           torch.device("cpu") if offload else None)
     model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
                                      compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16")
     if cp > 1:  # after DDP's construction, which broadcasts every buffer from dp rank 0 (its rotary rows)

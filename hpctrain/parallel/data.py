@@ -31,20 +31,25 @@ def reshard_after_forward(zero_stage: int, pp: int) -> bool:
 
 
 def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype, roots: list[nn.Module] | None = None, pp: int = 1) -> None:
+               reduce_dtype: torch.dtype, roots: list[nn.Module] | None = None, pp: int = 1,
+               offload: bool = False) -> None:
     """FSDP2 per block then the root(s): ZeRO-3 reshards parameters after forward (not under pp, see
     reshard_after_forward), ZeRO-2 keeps them. Under pipeline parallel each stage module is a root (it holds the
-    embedding, norm and output of its stage)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    embedding, norm and output of its stage). offload: the shards, their gradients and so the optimizer's state
+    and step live in (pinned) host memory; FSDP copies a block's shards to the device before gathering them and
+    its gradient shards back after the reduce-scatter (CPUOffloadPolicy; materialize then allocates on the host)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     # forward inputs are not cast: a block's input is already in the compute dtype (the embedding's weights are),
     # and the rotary tables a block is handed stay fp32 (cast, every block kept a bf16 copy, and positions lost
     # precision: bf16 holds 3 digits of a cosine)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     reshard = reshard_after_forward(zero_stage, pp)
+    # pinned memory only where a device copies from it (pinning is a CUDA host allocation)
+    policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
 
 
 def allreduce_grads(model: nn.Module, group) -> None:

@@ -44,12 +44,14 @@ def retie(model: nn.Module) -> None:
 
 
 def materialize(model: nn.Module, dims: ModelDims, seed: int, device: torch.device,
-                parts: list[nn.Module] | None = None, fill: bool = True) -> Callable[[], None] | None:
-    """Allocates the (sharded) parameters on `device` and fills them (init_weights), or with fill=False leaves them
-    unfilled and returns the function that fills them (a resume overwrites them anyway). With pipeline stages,
-    each stage module (an FSDP root) allocates what it holds; together they cover the model."""
+                parts: list[nn.Module] | None = None, fill: bool = True,
+                param_device: torch.device | None = None) -> Callable[[], None] | None:
+    """Allocates the (sharded) parameters on `device` (param_device: on the host under FSDP's CPU offload; the
+    buffers stay on `device`) and fills them (init_weights), or with fill=False leaves them unfilled and returns the
+    function that fills them (a resume overwrites them anyway). With pipeline stages, each stage module (an FSDP
+    root) allocates what it holds; together they cover the model."""
     for part in parts or [model]:
-        part.to_empty(device=device)
+        part.to_empty(device=param_device or device)
         retie(part)
     for m in [model, *(parts or [])]:
         m.init_buffers(device)

@@ -46,8 +46,8 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return {k: v for part in every for k, v in part.items()}
 
 
-def fsdp_reshard(modules) -> dict[str, bool]:
-    """reshard_after_forward of every FSDP module that holds parameters (blocks, roots, pipeline stage roots)."""
+def fsdp_groups(modules) -> dict[str, object]:
+    """The FSDP parameter group of every FSDP module that holds parameters (blocks, roots, pipeline stage roots)."""
     from torch.distributed.fsdp import FSDPModule
     out, seen = {}, set()
     for k, root in enumerate(modules):
@@ -56,8 +56,19 @@ def fsdp_reshard(modules) -> dict[str, bool]:
                 seen.add(id(m))
                 group = m._get_fsdp_state()._fsdp_param_group
                 if group is not None:
-                    out[name or f"root{k}"] = group._reshard_after_forward
+                    out[name or f"root{k}"] = group
     return out
+
+
+def fsdp_reshard(modules) -> dict[str, bool]:
+    """reshard_after_forward of every FSDP module that holds parameters."""
+    return {name: g._reshard_after_forward for name, g in fsdp_groups(modules).items()}
+
+
+def fsdp_offload(modules) -> dict[str, bool]:
+    """Whether each FSDP module keeps its shards in host memory (CPUOffloadPolicy: parallel.offload = "all")."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    return {name: isinstance(g.offload_policy, CPUOffloadPolicy) for name, g in fsdp_groups(modules).items()}
 
 
 @contextlib.contextmanager
@@ -127,6 +138,7 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
                         "skipped": [bool(r["skipped"]) for r in rows], "scales": [r["loss_scale"] for r in rows],
                         "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0],
                         "outputs_kept": int(kept), "recv_buffers": int(held),
+                        "offload": fsdp_offload([tr.model, *tr.pm.parts]),
                         "fused": fused_modules([tr.model, *tr.pm.parts])}, out)
     return {"losses": summary["losses"]}
 

@@ -77,6 +77,12 @@ def _cases(out: Path) -> list[dict]:
                                       "checkpoint.at_end=false"]},
         {"name": "cp_back", "overrides": LAYOUT + ["train.steps=8", f"train.resume={out / 'ckC' / 'step_00000006'}",
                                                    ck("ckC2"), "checkpoint.at_end=false"]},
+        # CPU offload: dp4 ZeRO-3 with its shards in host memory goes on from step 4 and saves at 6; back again
+        {"name": "offload", "overrides": ["parallel.zero_stage=3", "parallel.offload=all", "train.micro_batch_size=2",
+                                          "train.steps=8", f"train.resume={step4}", "checkpoint.every_steps=2",
+                                          ck("ckO"), "checkpoint.at_end=false"]},
+        {"name": "offload_back", "overrides": LAYOUT + ["train.steps=8", ck("ckO2"), "checkpoint.at_end=false",
+                                                        f"train.resume={out / 'ckO' / 'step_00000006'}"]},
         # GPT's GeLU MLP: tp2 x dp2 ZeRO-3 saves at step 4, tp2 with sequence parallel, ZeRO-1 and op recompute goes on
         {"name": "gelu_full", "overrides": LAYOUT + GELU + ["train.steps=8", "checkpoint.every_steps=4", ck("ckL"),
                                                             "checkpoint.at_end=false"]},
@@ -174,6 +180,13 @@ def test_context_parallel_resumes_any_layout(runs) -> None:
     without: cp holds no state of its own."""
     _continues_from_step4(runs["cp2"], runs["full"])
     _continues_from_step4(runs["cp_back"], runs["full"], step=6)
+
+
+def test_cpu_offload_checkpoints_reshard(runs) -> None:
+    """parallel.offload = "all" saves and loads the same checkpoints: it goes on from one written without offload,
+    and one it writes goes on without."""
+    _continues_from_step4(runs["offload"], runs["full"])
+    _continues_from_step4(runs["offload_back"], runs["full"], step=6)
 
 
 def test_gelu_mlp_reshards(runs) -> None:

@@ -58,6 +58,9 @@ TWO = [
        + (["train.ac=op"] if ac else [])} for ac in ("", "_op")],
     # context parallel: each rank an early and a late chunk of every sequence, ring attention over the pair
     {"name": "cp2", "overrides": ["parallel.cp=2"]},
+    # CPU offload (FSDP's shards, gradients and AdamW state in host memory): on CPU the same run as without
+    {"name": "dp2_zero3_offload", "overrides": ["parallel.zero_stage=3", "parallel.offload=all",
+                                                "train.micro_batch_size=4"]},
     {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
     {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
@@ -86,6 +89,10 @@ FOUR = [
     {"name": "cp2tp2_sp", "overrides": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]},
     {"name": "cp2dp2_zero3", "overrides": ["parallel.cp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]},
     {"name": "cp2pp2", "overrides": PP + ["parallel.cp=2"]},
+    {"name": "tp2dp2_zero2_offload", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "parallel.offload=all",
+                                                   "train.micro_batch_size=4"]},
+    {"name": "pp2dp2_zero2_offload", "overrides": PP + ["parallel.zero_stage=2", "parallel.offload=all",
+                                                        "train.micro_batch_size=1"]},
     {"name": "tp2dp2_zero1_sp_fused", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                     "parallel.zero_stage=1", "train.micro_batch_size=2",
                                                     "train.grad_accum=2", FUSED]},
@@ -118,6 +125,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case(["model.tie_embeddings=true"], out / "ref_tied.pt")
     run_case(["model.mlp=gelu"], out / "ref_gelu.pt")
     run_case([FUSED], out / "ref_fused.pt")
+    run_case(["parallel.zero_stage=3", "parallel.offload=all"], out / "ref_offload.pt")  # one process: FSDP of 1
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = spawn_train_worker(4, FOUR, out)
     logs += [p.communicate(timeout=600)[0] for p in running[4]]
@@ -172,6 +180,16 @@ def test_context_parallel_matches_single_process(results, case) -> None:
     over the whole sequences) trains what one process trains, alone and with tp + sequence parallel, dp ZeRO-3, a
     pipeline and selective recompute."""
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+@pytest.mark.parametrize("case", ["ref_offload", "dp2_zero3_offload", "tp2dp2_zero2_offload", "pp2dp2_zero2_offload"])
+def test_cpu_offload_trains_the_same_model(results, case) -> None:
+    """parallel.offload = "all": every FSDP module keeps its shards in host memory (CPUOffloadPolicy), one process
+    (FSDP over one rank), ZeRO-3 over dp, ZeRO-2 with tp and under a pipeline; on a CPU the host is the device, so
+    each is the plain run (the GPU proof: tests/device/)."""
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results[case]["offload"] and all(results[case]["offload"].values()), results[case]["offload"]
+    assert results["dp2_zero3"]["offload"] and not any(results["dp2_zero3"]["offload"].values())
 
 
 def test_tied_embeddings_stay_one_matrix(results) -> None:
