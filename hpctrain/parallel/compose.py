@@ -114,7 +114,8 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill,
                            torch.device("cpu") if offload else None)
     model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
-                                     compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16")
+                                     compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16",
+                                     offload=offload)
     if cp > 1:  # after DDP's construction, which broadcasts every buffer from dp rank 0 (its rotary rows)
         context.place_rotary([getattr(model, "module", model), *parts],
                              context.positions(cfg.data.seq_len, cp, mesh.cp_rank))

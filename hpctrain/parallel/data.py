@@ -80,17 +80,19 @@ def no_forward_buffer_sync(ddp_class) -> dict[str, bool]:
 
 
 def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_group, device: torch.device,
-                  compress_bf16: bool) -> tuple[nn.Module, Sync]:
+                  compress_bf16: bool, offload: bool = False) -> tuple[nn.Module, Sync]:
     """The model the trainer runs and its sync(is_last_micro_step): gradients are reduced across dp once per step,
     after the last micro-batch (nanoGPT's no_sync trick). zero -1 means no data parallelism.
-    - ZeRO-2/3 (FSDP2): FSDP reduce-scatters after the last micro-batch; under pp the schedule tells it when.
+    - ZeRO-2/3 (FSDP2): FSDP reduce-scatters after the last micro-batch; under pp the schedule tells it when. With
+      CPU offload every micro-batch's gradients are reduce-scattered and accumulate in the host's shards: held
+      unsharded on the device until the step's end they would be the whole model's gradients per GPU.
     - ZeRO-0/1 with tensor parallel, or under pp: one coalesced all-reduce of the (local shards of the)
       gradients after the last micro-batch. DDP cannot hold DTensor parameters, and under pipeline parallel
       torch's DDP fails with several stages per rank (bucket rebuild assert in torch 2.13); in a pipeline the
       reduction waits for the last micro-batch anyway. ZeRO-1's optimizer then steps its shard of the averages.
     - otherwise ZeRO-0/1: DDP, gradients as views into its buckets (no second copy of every gradient), bf16
       compression of the all-reduce when asked (compress_bf16)."""
-    if zero == -1 or (zero in (2, 3) and pipelined):
+    if zero == -1 or (zero in (2, 3) and (pipelined or offload)):
         return model, no_sync
     if zero in (2, 3):
         @contextlib.contextmanager

@@ -33,7 +33,8 @@ NUMBERS = ("memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
 LINKS = ("intra_node_gbps", "inter_node_gbps")  # unknown (None) on a calibration made without `hpctrain bench`
 # what a calibration measures besides the peak (hpctrain/train/calibrate.py); None: not calibrated
 CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s")
-OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES) + CALIBRATED
+OPTIONAL = ("host_link_gbps",)  # figures a profile may lack (None): the time terms that need them say so
+OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES) + CALIBRATED + OPTIONAL
 CPU = "cpu"  # the name a CPU job's profile goes by: there is no datasheet for it, only a calibration
 
 
@@ -59,6 +60,8 @@ class Hardware:
     host_block_s: float | None = None
     host_tp_block_s: float | None = None
     host_step_s: float | None = None
+    # per GPU, per direction, between the GPU and host memory (GB/s: PCIe); what CPU offload moves over it
+    host_link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         peaks = dict(self.peak_tflops)
@@ -71,6 +74,8 @@ class Hardware:
                 continue
             if not _positive(getattr(self, key)):
                 raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be a positive finite number")
+        if self.host_link_gbps is not None and not _positive(self.host_link_gbps):
+            raise ValueError(f"{self.name}: host_link_gbps={self.host_link_gbps!r} must be a positive finite number")
         for key in CALIBRATED:
             value = getattr(self, key)
             if value is None:
@@ -106,7 +111,7 @@ class Hardware:
             return self  # frozen: sharing is safe
         peaks = dict(self.peak_tflops)
         peaks.update({k.removeprefix("peak_"): float(v) for k, v in fields.items() if k.startswith("peak_")})
-        numbers = {k: v for k, v in fields.items() if k in NUMBERS or k in CALIBRATED}
+        numbers = {k: v for k, v in fields.items() if k in NUMBERS or k in CALIBRATED or k in OPTIONAL}
         said = ", ".join(f"{k}={v}" for k, v in fields.items())
         return dataclasses.replace(self, peak_tflops=peaks, source=f"{self.source}; overridden: {said}", **numbers)
 
@@ -164,6 +169,8 @@ _DS = DATASHEET_TFLOPS
 #     reference architecture, "Core Components", docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-
 #     foundation-enterprise-ai/latest/core-components.html): 640 GB in 8 GPUs, 8 x single-port ConnectX-7 up to
 #     400 Gb/s. Confirmed: every h100 figure (PCIe inter-node 50 assumes a NIC per card, a platform choice).
+#   host_link_gbps (PCIe, per direction): the A100 datasheet's PCIe Gen4 64 GB/s and the H100 datasheet's PCIe Gen5
+#     128 GB/s are both directions together -> 32 and 64. Not set where no source was reached (h200, b200, AMD).
 #   h200: same BasePOD page: DGX H200 1,128 GB in 8 GPUs (-> 141), same 8 x ConnectX-7 400 Gb/s. Confirmed: memory,
 #     network. Peaks: the H200 datasheet itself not reached; secondary copies of it give bf16 1979* and fp8 3958*,
 #     equal to H100 SXM (same GH100 silicon); fp32 67 / tf32 989* taken as H100 SXM's.
@@ -189,13 +196,13 @@ _DS = DATASHEET_TFLOPS
 _NV = "NVIDIA"
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     Hardware("a100-40g", _DS["NVIDIA A100 SXM"], 40, 300, 25, 8,
-             f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU"),
+             f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU", host_link_gbps=32),
     Hardware("a100-80g", _DS["NVIDIA A100 SXM"], 80, 300, 25, 8,
-             f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU"),
+             f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU", host_link_gbps=32),
     Hardware("h100-sxm", _DS["NVIDIA H100 SXM"], 80, 450, 50, 8,
-             f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU"),
+             f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU", host_link_gbps=64),
     Hardware("h100-pcie", _DS["NVIDIA H100 PCIe"], 80, 64, 50, 8,
-             f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s"),
+             f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s", host_link_gbps=64),
     Hardware("h200", _DS["NVIDIA H200"], 141, 450, 50, 8,
              f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU"),
     # Blackwell datasheet HGX B200 column: 180 GB per GPU; DGX B200: 8 x ConnectX-7 400 Gb/s (sources above)

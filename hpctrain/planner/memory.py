@@ -80,11 +80,28 @@ def zero1_partition(shapes: dict[str, tuple[int, ...]], n: int) -> list[int]:
     return sizes
 
 
-def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state on the rank at `coords` (every tp rank of a pp and dp
-    coordinate holds the same amount: dimensions divide by tp)."""
+def fsdp_shards(plan: Plan, coords: Coords) -> tuple[int, int]:
+    """Elements of the rank's FSDP shards: (padded, the rows it really holds)."""
     tp, n = plan.layout.tp, plan.layout.dp
-    zero = zero_stage if n > 1 else -1
+    local = {k: tp_local(k, s, tp) for k, s in stage_shapes(plan, coords.pp).items()}
+    return (sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values()),
+            sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values()))
+
+
+def host_states(plan: Plan, coords: Coords) -> int:
+    """Bytes in host memory on the rank at `coords` under parallel.offload = "all": its fp32 shards, their
+    gradients, AdamW's two moments, and foreach AdamW's temporary while it steps (half the moments)."""
+    padded, held = fsdp_shards(plan, coords)
+    return 4 * padded + 4 * padded + 8 * held + 4 * held
+
+
+def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords, offload: bool = False
+                 ) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on the rank at `coords` (every tp rank of a pp and dp
+    coordinate holds the same amount: dimensions divide by tp); in device memory only with `offload` (FSDP's CPU
+    offload: the gathered low-precision parameters ZeRO-2 or a pipeline keeps; the rest is host_states)."""
+    tp, n = plan.layout.tp, plan.layout.dp
+    zero = zero_stage if n > 1 or offload else -1
     shapes = stage_shapes(plan, coords.pp)
     local = {k: tp_local(k, s, tp) for k, s in shapes.items()}
     whole = sum(math.prod(s) for s in local.values())
@@ -94,11 +111,13 @@ def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords) ->
     padded = sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values())
     held = sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values())
     gathered = zero == 2 or plan.stages is not None  # parameters stay whole (padded rows too) through the step
-    params = 4 * padded + (LOW.get(precision, 4) * padded * n if gathered else 0)
-    return {"params": params, "grads": 4 * padded, "optimizer": 8 * held}
+    whole = LOW.get(precision, 4) * padded * n if gathered else 0
+    if offload:
+        return {"params": whole, "grads": 0, "optimizer": 0}
+    return {"params": 4 * padded + whole, "grads": 4 * padded, "optimizer": 8 * held}
 
 
-def max_model_states(plan: Plan, zero_stage: int, precision: str) -> dict[str, int]:
+def max_model_states(plan: Plan, zero_stage: int, precision: str, offload: bool = False) -> dict[str, int]:
     """Each component and the total on the rank that holds the most of it (they may be different ranks). Only the
     dp ranks that can hold the most are evaluated: rank 0 (FSDP's uneven shards give it the most rows), and under
     ZeRO-1 the rank its greedy placement gives the most."""
@@ -109,7 +128,8 @@ def max_model_states(plan: Plan, zero_stage: int, precision: str) -> dict[str, i
             local = {k: tp_local(k, s, plan.layout.tp) for k, s in stage_shapes(plan, p).items()}
             sizes = zero1_partition(local, n)
             ranks.add(sizes.index(max(sizes)))
-    every = [model_states(plan, zero_stage, precision, Coords(p, d)) for p in range(plan.layout.pp) for d in ranks]
+    every = [model_states(plan, zero_stage, precision, Coords(p, d), offload) for p in range(plan.layout.pp)
+             for d in ranks]
     out = {k: max(s[k] for s in every) for k in ("params", "grads", "optimizer")}
     out["total"] = max(sum(s.values()) for s in every)
     return out

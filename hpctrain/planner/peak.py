@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpctrain.planner.activations import ActivationModel, block_weights, mode_of
+from hpctrain.planner.memory import Coords, fsdp_shards
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
@@ -91,11 +92,14 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     the moment it happens at ("phase"), every moment's bytes ("moments") and the activations in flight at the
     backward ("activations")."""
     p, t, lay, dims = cfg.parallel, cfg.train, plan.layout, plan.dims
-    zero = p.zero_stage if lay.dp > 1 else -1
+    offload = p.offload == "all"  # FSDP's shards, gradients and AdamW state in host memory (memory.host_states)
+    zero = p.zero_stage if lay.dp > 1 or offload else -1
     fsdp = zero in (2, 3)
     masters = states["grads"] if fsdp else states["params"]
     gathered = states["params"] - masters
     grads, opt = states["grads"], states["optimizer"]
+    # the fp32 shard size, for the unsharded gradients FSDP accumulates on the device over micro-batches
+    shard = 4 * fsdp_shards(plan, Coords(pp_rank, 0))[0] if offload else masters
     tokens = plan.micro_batch * cfg.data.seq_len // plan.layout.cp  # a cp rank holds its share of each sequence
     model = ActivationModel(mode_of(t.precision, p.zero_stage, lay.dp), lay.tp, p.sequence_parallel)
     m = t.grad_accum
@@ -114,7 +118,9 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     ddp = zero in (0, 1) and lay.tp == 1 and plan.stages is None
     # an earlier micro-batch's gradients; FSDP's unsharded, in train.reduce_dtype under mixed precision
     low_reduce = t.reduce_dtype == "bf16" and t.precision in LOW
-    accumulated = masters * lay.dp * (0.5 if low_reduce else 1) if fsdp else grads
+    accumulated = shard * lay.dp * (0.5 if low_reduce else 1) if fsdp else grads
+    if offload and plan.stages is None:  # reduce-scattered every micro-batch into the host's shards
+        accumulated = 0
     if ddp:
         early = grads * (2 if m > 1 else 1)
     elif plan.stages is None:

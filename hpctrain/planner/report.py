@@ -18,7 +18,8 @@ from hpctrain.parallel.plan import make_plan
 from hpctrain.planner import timing
 from hpctrain.planner.activations import ActivationModel, mode_of
 from hpctrain.planner.ckpt_cost import NODE_MTBF_H, checkpoint_bytes, checkpoint_cost
-from hpctrain.planner.memory import Coords, model_states, stage_shapes, tp_local, zero1_partition
+from hpctrain.planner.hardware import CPU
+from hpctrain.planner.memory import Coords, host_states, model_states, stage_shapes, tp_local, zero1_partition
 from hpctrain.planner.peak import peak
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, in
             sizes = zero1_partition(local, n)
             dp_ranks.add(sizes.index(max(sizes)))
         for dp_rank in dp_ranks:
-            states = model_states(plan, zero, cfg.train.precision, Coords(pp_rank, dp_rank))
+            states = model_states(plan, zero, cfg.train.precision, Coords(pp_rank, dp_rank),
+                                  cfg.parallel.offload == "all")
             every.append(states)
             out = peak(cfg, plan, states, pp_rank)
             if not best or out["peak"] > best["peak"]:
@@ -81,6 +83,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            # whole (the plan's note): ZeRO-2's traffic
                            zero_stage=2 if p.zero_stage == 3 and lay.pp > 1 else p.zero_stage,
                            accumulate_unsharded=True, zero1_broadcast=True,
+                           offload=p.offload == "all" and hw.name != CPU,  # on a CPU the host is the device
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, efficiency=hw.efficiency,
                            tp_projections="fused" if plan.dims.fused_projections else "separate",
@@ -105,6 +108,21 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
                      f"not measured (the memory model counts {', '.join(MEASURED_SCHEDULES)}'s; zbv was seen 24% "
                      f"above it): take the memory prediction as a lower bound")
     fits = total <= hw.memory_gib * GIB
+    # host memory per node under CPU offload: each rank's offloaded states (its rank with the most: dp rank 0's
+    # padded shards), times the ranks a node runs; in GiB, as Slurm counts job.mem_gb (--mem=NG)
+    host = 0.0
+    if cfg.parallel.offload == "all":
+        host = max(host_states(plan, Coords(p, 0)) for p in range(plan.layout.pp)) * cfg.job.tasks_per_node / GIB
+        mem = cfg.job.mem_gb
+        notes.append(f"parallel.offload = 'all': {host:.1f} GiB of host memory per node for the offloaded shards, "
+                     f"gradients and AdamW state of its {cfg.job.tasks_per_node} ranks (pinned on GPUs), besides "
+                     f"what the processes need otherwise" + (f"; job.mem_gb = {mem:g}" if mem else
+                                                            "; job.mem_gb unset: check it against the nodes' memory"))
+        if mem and host > mem:
+            fits = False
+            notes.append(f"does not fit in host memory: {host:.1f} GiB per node predicted for the offloaded states, "
+                         f"job.mem_gb = {mem:g}: raise job.mem_gb (up to the nodes' memory), or spread the model "
+                         f"over more nodes")
     t = cfg.train
     am = ActivationModel(mode_of(t.precision, cfg.parallel.zero_stage, plan.layout.dp), plan.layout.tp,
                          cfg.parallel.sequence_parallel)
@@ -129,6 +147,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
         "memory_gib_per_gpu": total / GIB, "model_states_gib": {k: v / GIB for k, v in states.items()},
+        "host_memory_gb_per_node": host,
         "activations_gib": acts / GIB, "activation_bytes_per_layer": per_layer, "peak_gib": worst["peak"] / GIB,
         "peak_phase": worst["phase"],
         "peak_pp_rank": worst["pp_rank"], "memory_margin": MARGIN, "gpu_memory_gib": hw.memory_gib, "fits": fits,

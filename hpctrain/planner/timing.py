@@ -46,6 +46,10 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   cp - 1 hops forward (hidden behind the attention blocks' compute where it is shorter) and again in backward with
   the fp32 K/V gradients, which take one more hop home (not overlapped: hpctrain's RingAttention waits for them);
   on NVLink while cp x tp fits in a node, else on a NIC.
+- CPU offload (FSDP's CPUOffloadPolicy): per step each rank's fp32 shards travel to the GPU for every gather (2 per
+  micro-batch under ZeRO-3, once under ZeRO-2) and its gradient shards back after every micro-batch's
+  reduce-scatter, over the GPU's host link (Hardware.host_link_gbps, PCIe); hidden behind the compute where it is
+  shorter, except one block's share. Not modelled: the optimizer's step on the host (its memory bandwidth).
 - host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
   GPUs; a CPU calibration's Hardware.host_*_s).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
@@ -180,14 +184,15 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, accumulate_unsharded: bool = False,
-             zero1_broadcast: bool = False, cp: int = 1) -> TimeEstimate:
+             zero1_broadcast: bool = False, cp: int = 1, offload: bool = False) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
     gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel).
     zero1_broadcast: ZeRO-1 all-reduces the gradients and broadcasts the updated fp32 parameters from their owners
     (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather.
-    cp: context parallel (dp counts the data replicas; gradients are reduced over dp x cp)."""
+    cp: context parallel (dp counts the data replicas; gradients are reduced over dp x cp). offload: FSDP's CPU
+    offload (ZeRO-2/3 shards in host memory, gradients reduce-scattered every micro-batch)."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -251,9 +256,10 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     elif zero_stage == 1 and zero1_broadcast:
         dp_comm = ring(dp) * p_rank * (2 * reduce_b + 4) / dp_link
     elif zero_stage in (1, 2):
-        dp_comm = ring(dp) * p_rank * (reduce_b + act) / dp_link
+        dp_comm = ring(dp) * p_rank * ((m if offload else 1) * reduce_b + act) / dp_link
     else:
-        dp_comm = ring(dp) * p_rank * (2 * m * act + (1 if accumulate_unsharded else m) * reduce_b) / dp_link
+        once = accumulate_unsharded and not offload
+        dp_comm = ring(dp) * p_rank * (2 * m * act + (1 if once else m) * reduce_b) / dp_link
     hideable = compute if zero_stage == 3 else compute / m
     dp_exposed = max(dp_comm / blocks, dp_comm - hideable) if dp_overlap else dp_comm
 
@@ -262,8 +268,20 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         p2p_link = inter if tp * dp >= gpn else intra
         p2p = 2 * m * v * micro_bytes / tp / p2p_link
 
+    offload_comm = offload_exposed = 0.0
+    if offload:  # fp32 shards to the GPU for each gather, gradient shards back after each reduce-scatter
+        if zero_stage not in (2, 3):
+            raise ValueError(f"offload needs FSDP's shards: zero_stage 2 or 3 (got {zero_stage})")
+        if hw.host_link_gbps is None:
+            raise ValueError(f"{hw.name}: the GPU-host link bandwidth is unknown and offload moves shards over it: "
+                             f"give --hw host_link_gbps=... (PCIe, per direction, GB/s)")
+        shard = p_rank / dp
+        gathers = 2 * m if zero_stage == 3 else 1
+        offload_comm = shard * (4 * gathers + reduce_b * m) / (hw.host_link_gbps * 1e9)
+        offload_exposed = max(offload_comm / blocks, offload_comm - compute)
+
     host = host_step_s + host_block_s * blocks * m
-    step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + host
+    step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + offload_exposed + host
     model_flops = flops_per_token(shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads,
                                   shape.vocab, seq_len, shape.mlp)
     hw_flops = hardware_flops_per_token(shape, seq_len, recompute, ac_every)
@@ -274,7 +292,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     dense = hw.peak(MATMUL_DTYPE[precision])
     terms = {"compute_s": compute, "pp_bubble_s": bubble, "tp_comm_s": tp_exposed, "tp_comm_total_s": tp_comm,
              "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "p2p_s": p2p, "cp_comm_s": ring_exposed,
-             "cp_comm_total_s": ring_comm, "host_s": host}
+             "cp_comm_total_s": ring_comm, "offload_s": offload_exposed, "offload_total_s": offload_comm,
+             "host_s": host}
     basis = {"microbatches": m, "blocks_on_busiest_stage": blocks, "efficiency": eff, "tp_link_gbps": tp_link / 1e9,
              "dp_link_gbps": dp_link / 1e9}
     return TimeEstimate(step, job_tokens, model_tflops, hw_tflops, model_tflops / dense, hw_tflops / dense, terms,
