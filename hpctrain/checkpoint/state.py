@@ -75,7 +75,9 @@ class OptimizerState(Stateful):
 
 
 class ZeroOneOptimizerState(Stateful):
-    """ZeRO-1 (hpctrain.train.optim.ZeroOne): each rank saves the AdamW state of the parameters it owns, under the
+    """ZeRO-1 (hpctrain.train.optim.ZeroOne), and the host's AdamW of parallel.offload = "optimizer" (HostAdamW,
+    whose masters stand in for the parameters as ZeRO-1's shards do): each rank saves the AdamW state of the
+    parameters it owns, under the
     same flat keys get_optimizer_state_dict gives a whole optimizer ("state.<fqn>.<key>",
     "param_groups.<fqn>.<key>"), so a checkpoint moves between ZeRO-1 and every other layout. The optimizer holds
     the local shards of tensor-parallel parameters (zero.params_of maps each to its parameter): their moments are
@@ -111,6 +113,9 @@ class ZeroOneOptimizerState(Stateful):
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        reload = getattr(self.zero, "reload_masters", None)  # the host's masters: copied again from the weights
+        if reload is not None:
+            reload()
         for p in self._owned():
             prefix = f"state.{self.names[p]}."
             self.zero.optim.state[p] = {k[len(prefix):]: v.to_local() if isinstance(v, DTensor) else v

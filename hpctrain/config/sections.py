@@ -143,8 +143,8 @@ class ParallelConfig:
     interface: str = ""  # e.g. "ib0": rank 0 publishes its address; NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME unless set
     connect_timeout_s: int = 60  # ranks stop dialling rank 0's store after this, naming it (timeout_s: collectives)
     zero_stage: int = 0  # 0 DDP, 1 + optimizer state sharded, 2 + gradients (FSDP2), 3 + parameters (FSDP2)
-    # none | all: parameters, gradients and AdamW state of FSDP's shards live in host memory, the optimizer steps
-    # there and each block's shards travel to the GPU to be gathered (FSDP2's CPUOffloadPolicy; zero_stage 2 or 3)
+    # none | optimizer: AdamW's state and fp32 masters in host memory, the step on the host's cores (not with
+    # zero_stage 1) | all: FSDP's shards, gradients and AdamW state there too (CPUOffloadPolicy; zero_stage 2 or 3)
     offload: str = "none"
     sequence_parallel: bool = False  # shard norms and residuals along the sequence inside the tp group
     loss_parallel: bool = True  # keep logits vocab-sharded into the cross-entropy (tp > 1)
@@ -192,9 +192,12 @@ class ParallelConfig:
                    f"entries; pp ({self.pp}) x pp_virtual_stages ({self.pp_virtual_stages}) = {stages} stages")
             check(all(n >= 0 for n in self.pp_layers), f"parallel.pp_layers = {self.pp_layers}: counts must be >= 0")
         check(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {self.zero_stage} must be 0, 1, 2 or 3")
-        one_of("parallel", "offload", self.offload, ("none", "all"))
-        check(self.offload == "none" or self.zero_stage in (2, 3), f"parallel.offload = {self.offload!r} moves "
+        one_of("parallel", "offload", self.offload, ("none", "optimizer", "all"))
+        check(self.offload != "all" or self.zero_stage in (2, 3), f"parallel.offload = {self.offload!r} moves "
               f"FSDP's shards to host memory: it needs parallel.zero_stage = 2 or 3 (got {self.zero_stage})")
+        check(self.offload != "optimizer" or self.zero_stage != 1, "parallel.offload = 'optimizer' with "
+              "parallel.zero_stage = 1: ZeRO-1 shards AdamW's state over dp on the GPUs; offload it with "
+              "zero_stage 0 (DDP), 2 or 3")
         check(self.dp == -1 or self.dp >= 1, f"parallel.dp = {self.dp} must be >= 1, or -1 for auto")
         one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
         one_of("parallel", "rendezvous", self.rendezvous,

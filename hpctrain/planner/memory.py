@@ -88,36 +88,48 @@ def fsdp_shards(plan: Plan, coords: Coords) -> tuple[int, int]:
             sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values()))
 
 
-def host_states(plan: Plan, coords: Coords) -> int:
-    """Bytes in host memory on the rank at `coords` under parallel.offload = "all": its fp32 shards, their
-    gradients, AdamW's two moments, and foreach AdamW's temporary while it steps (half the moments)."""
-    padded, held = fsdp_shards(plan, coords)
-    return 4 * padded + 4 * padded + 8 * held + 4 * held
+def host_states(plan: Plan, coords: Coords, zero_stage: int, offload: str) -> int:
+    """Bytes in host memory on the rank at `coords` under parallel.offload: "all", its fp32 shards, their gradients,
+    AdamW's two moments and foreach AdamW's temporary while it steps (half the moments); "optimizer", the fp32
+    masters of what it steps (its shards under ZeRO-2/3, else its whole stage), the gradients' copy, the moments and
+    the temporary."""
+    if offload == "none":
+        return 0
+    n = plan.layout.dp
+    if zero_stage in (2, 3) and (n > 1 or offload == "all"):
+        padded, held = fsdp_shards(plan, coords)
+    else:
+        held = sum(math.prod(tp_local(k, s, plan.layout.tp)) for k, s in stage_shapes(plan, coords.pp).items())
+        padded = held
+    if offload == "all":
+        return 4 * padded + 4 * padded + 8 * held + 4 * held
+    return 4 * held + 4 * held + 8 * held + 4 * held
 
 
-def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords, offload: bool = False
+def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords, offload: str = "none"
                  ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on the rank at `coords` (every tp rank of a pp and dp
-    coordinate holds the same amount: dimensions divide by tp); in device memory only with `offload` (FSDP's CPU
-    offload: the gathered low-precision parameters ZeRO-2 or a pipeline keeps; the rest is host_states)."""
+    coordinate holds the same amount: dimensions divide by tp), in device memory: with offload = "all" (FSDP's CPU
+    offload) only the gathered low-precision parameters ZeRO-2 or a pipeline keeps, with "optimizer" no AdamW
+    state; the rest is host_states."""
     tp, n = plan.layout.tp, plan.layout.dp
-    zero = zero_stage if n > 1 or offload else -1
+    zero = zero_stage if n > 1 or offload == "all" else -1
     shapes = stage_shapes(plan, coords.pp)
     local = {k: tp_local(k, s, tp) for k, s in shapes.items()}
     whole = sum(math.prod(s) for s in local.values())
     if zero in (-1, 0, 1):
         optimizer = 8 * (zero1_partition(local, n)[coords.dp] if zero == 1 else whole)
-        return {"params": 4 * whole, "grads": 4 * whole, "optimizer": optimizer}
+        return {"params": 4 * whole, "grads": 4 * whole, "optimizer": 0 if offload == "optimizer" else optimizer}
     padded = sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values())
     held = sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values())
     gathered = zero == 2 or plan.stages is not None  # parameters stay whole (padded rows too) through the step
     whole = LOW.get(precision, 4) * padded * n if gathered else 0
-    if offload:
+    if offload == "all":
         return {"params": whole, "grads": 0, "optimizer": 0}
-    return {"params": 4 * padded + whole, "grads": 4 * padded, "optimizer": 8 * held}
+    return {"params": 4 * padded + whole, "grads": 4 * padded, "optimizer": 0 if offload == "optimizer" else 8 * held}
 
 
-def max_model_states(plan: Plan, zero_stage: int, precision: str, offload: bool = False) -> dict[str, int]:
+def max_model_states(plan: Plan, zero_stage: int, precision: str, offload: str = "none") -> dict[str, int]:
     """Each component and the total on the rank that holds the most of it (they may be different ranks). Only the
     dp ranks that can hold the most are evaluated: rank 0 (FSDP's uneven shards give it the most rows), and under
     ZeRO-1 the rank its greedy placement gives the most."""

@@ -93,6 +93,7 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     backward ("activations")."""
     p, t, lay, dims = cfg.parallel, cfg.train, plan.layout, plan.dims
     offload = p.offload == "all"  # FSDP's shards, gradients and AdamW state in host memory (memory.host_states)
+    # (offload = "optimizer": `states` holds no AdamW state; the rest stays on the device)
     zero = p.zero_stage if lay.dp > 1 or offload else -1
     fsdp = zero in (2, 3)
     masters = states["grads"] if fsdp else states["params"]

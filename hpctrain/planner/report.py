@@ -46,8 +46,7 @@ def peak_per_rank(cfg: Config, plan: Plan) -> tuple[dict[str, Any], dict[str, in
             sizes = zero1_partition(local, n)
             dp_ranks.add(sizes.index(max(sizes)))
         for dp_rank in dp_ranks:
-            states = model_states(plan, zero, cfg.train.precision, Coords(pp_rank, dp_rank),
-                                  cfg.parallel.offload == "all")
+            states = model_states(plan, zero, cfg.train.precision, Coords(pp_rank, dp_rank), cfg.parallel.offload)
             every.append(states)
             out = peak(cfg, plan, states, pp_rank)
             if not best or out["peak"] > best["peak"]:
@@ -83,7 +82,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            # whole (the plan's note): ZeRO-2's traffic
                            zero_stage=2 if p.zero_stage == 3 and lay.pp > 1 else p.zero_stage,
                            accumulate_unsharded=True, zero1_broadcast=True,
-                           offload=p.offload == "all" and hw.name != CPU,  # on a CPU the host is the device
+                           offload=p.offload if hw.name != CPU else "none",  # on a CPU the host is the device
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, efficiency=hw.efficiency,
                            tp_projections="fused" if plan.dims.fused_projections else "separate",
@@ -111,13 +110,16 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
     # host memory per node under CPU offload: each rank's offloaded states (its rank with the most: dp rank 0's
     # padded shards), times the ranks a node runs; in GiB, as Slurm counts job.mem_gb (--mem=NG)
     host = 0.0
-    if cfg.parallel.offload == "all":
-        host = max(host_states(plan, Coords(p, 0)) for p in range(plan.layout.pp)) * cfg.job.tasks_per_node / GIB
+    offload = cfg.parallel.offload
+    if offload != "none":
+        host = max(host_states(plan, Coords(p, 0), cfg.parallel.zero_stage, offload)
+                   for p in range(plan.layout.pp)) * cfg.job.tasks_per_node / GIB
         mem = cfg.job.mem_gb
-        notes.append(f"parallel.offload = 'all': {host:.1f} GiB of host memory per node for the offloaded shards, "
-                     f"gradients and AdamW state of its {cfg.job.tasks_per_node} ranks (pinned on GPUs), besides "
-                     f"what the processes need otherwise" + (f"; job.mem_gb = {mem:g}" if mem else
-                                                            "; job.mem_gb unset: check it against the nodes' memory"))
+        what = "shards, gradients and AdamW state" if offload == "all" else "AdamW state and fp32 masters"
+        notes.append(f"parallel.offload = {offload!r}: {host:.1f} GiB of host memory per node for the offloaded "
+                     f"{what} of its {cfg.job.tasks_per_node} ranks (pinned on GPUs), besides what the processes "
+                     f"need otherwise" + (f"; job.mem_gb = {mem:g}" if mem else
+                                          "; job.mem_gb unset: check it against the nodes' memory"))
         if mem and host > mem:
             fits = False
             notes.append(f"does not fit in host memory: {host:.1f} GiB per node predicted for the offloaded states, "

@@ -46,10 +46,11 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   cp - 1 hops forward (hidden behind the attention blocks' compute where it is shorter) and again in backward with
   the fp32 K/V gradients, which take one more hop home (not overlapped: hpctrain's RingAttention waits for them);
   on NVLink while cp x tp fits in a node, else on a NIC.
-- CPU offload (FSDP's CPUOffloadPolicy): per step each rank's fp32 shards travel to the GPU for every gather (2 per
-  micro-batch under ZeRO-3, once under ZeRO-2) and its gradient shards back after every micro-batch's
+- CPU offload "all" (FSDP's CPUOffloadPolicy): per step each rank's fp32 shards travel to the GPU for every gather
+  (2 per micro-batch under ZeRO-3, once under ZeRO-2) and its gradient shards back after every micro-batch's
   reduce-scatter, over the GPU's host link (Hardware.host_link_gbps, PCIe); hidden behind the compute where it is
-  shorter, except one block's share. Not modelled: the optimizer's step on the host (its memory bandwidth).
+  shorter, except one block's share. "optimizer": the step's fp32 gradients down and parameters up, exposed. Not
+  modelled: the optimizer's step on the host (its memory bandwidth).
 - host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
   GPUs; a CPU calibration's Hardware.host_*_s).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
@@ -184,15 +185,16 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, accumulate_unsharded: bool = False,
-             zero1_broadcast: bool = False, cp: int = 1, offload: bool = False) -> TimeEstimate:
+             zero1_broadcast: bool = False, cp: int = 1, offload: str = "none") -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
     gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel).
     zero1_broadcast: ZeRO-1 all-reduces the gradients and broadcasts the updated fp32 parameters from their owners
     (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather.
-    cp: context parallel (dp counts the data replicas; gradients are reduced over dp x cp). offload: FSDP's CPU
-    offload (ZeRO-2/3 shards in host memory, gradients reduce-scattered every micro-batch)."""
+    cp: context parallel (dp counts the data replicas; gradients are reduced over dp x cp). offload: "all", FSDP's
+    CPU offload (ZeRO-2/3 shards in host memory, gradients reduce-scattered every micro-batch); "optimizer", AdamW
+    on the host (gradients down and parameters up once per step)."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -256,9 +258,9 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     elif zero_stage == 1 and zero1_broadcast:
         dp_comm = ring(dp) * p_rank * (2 * reduce_b + 4) / dp_link
     elif zero_stage in (1, 2):
-        dp_comm = ring(dp) * p_rank * ((m if offload else 1) * reduce_b + act) / dp_link
+        dp_comm = ring(dp) * p_rank * ((m if offload == "all" else 1) * reduce_b + act) / dp_link
     else:
-        once = accumulate_unsharded and not offload
+        once = accumulate_unsharded and offload != "all"
         dp_comm = ring(dp) * p_rank * (2 * m * act + (1 if once else m) * reduce_b) / dp_link
     hideable = compute if zero_stage == 3 else compute / m
     dp_exposed = max(dp_comm / blocks, dp_comm - hideable) if dp_overlap else dp_comm
@@ -269,16 +271,20 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         p2p = 2 * m * v * micro_bytes / tp / p2p_link
 
     offload_comm = offload_exposed = 0.0
-    if offload:  # fp32 shards to the GPU for each gather, gradient shards back after each reduce-scatter
-        if zero_stage not in (2, 3):
-            raise ValueError(f"offload needs FSDP's shards: zero_stage 2 or 3 (got {zero_stage})")
+    if offload != "none":
+        if offload == "all" and zero_stage not in (2, 3):
+            raise ValueError(f"offload = 'all' needs FSDP's shards: zero_stage 2 or 3 (got {zero_stage})")
         if hw.host_link_gbps is None:
-            raise ValueError(f"{hw.name}: the GPU-host link bandwidth is unknown and offload moves shards over it: "
+            raise ValueError(f"{hw.name}: the GPU-host link bandwidth is unknown and offload moves data over it: "
                              f"give --hw host_link_gbps=... (PCIe, per direction, GB/s)")
-        shard = p_rank / dp
-        gathers = 2 * m if zero_stage == 3 else 1
-        offload_comm = shard * (4 * gathers + reduce_b * m) / (hw.host_link_gbps * 1e9)
-        offload_exposed = max(offload_comm / blocks, offload_comm - compute)
+        link = hw.host_link_gbps * 1e9
+        shard = p_rank / dp if zero_stage in (2, 3) else p_rank
+        if offload == "all":  # fp32 shards to the GPU for each gather, gradient shards back after each reduce-scatter
+            gathers = 2 * m if zero_stage == 3 else 1
+            offload_comm = shard * (4 * gathers + reduce_b * m) / link
+            offload_exposed = max(offload_comm / blocks, offload_comm - compute)
+        else:  # the step's gradients down and the parameters back up, between backward and the next forward
+            offload_comm = offload_exposed = shard * (4 + 4) / link
 
     host = host_step_s + host_block_s * blocks * m
     step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + offload_exposed + host

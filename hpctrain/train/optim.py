@@ -82,11 +82,83 @@ class ZeroOne(ZeroRedundancyOptimizer):
                     p.grad.zero_()
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None) -> torch.optim.Optimizer:
+class HostAdamW(torch.optim.AdamW):
+    """parallel.offload = "optimizer" (ZeRO-Offload's split): the parameters and their gradients stay on the
+    device, AdamW's state and an fp32 master copy of each (local shard of a) parameter live in host memory (pinned
+    on GPUs), and the step runs on the host's cores: the gradients come down, AdamW steps the masters, the masters
+    go back up into the parameters. params_of maps each master to its parameter (the checkpoint saves the state
+    under the parameter's name, as a DTensor like the parameter's: state.ZeroOneOptimizerState). The masters are
+    copied from the parameters before the first step and after a checkpoint's load (reload_masters): the weights
+    are filled, or loaded, after the optimizer is built."""
+
+    def __init__(self, groups: list[dict], pin: bool, **kwargs) -> None:
+        self.params_of: dict[torch.Tensor, torch.Tensor] = {}
+        self.pin, self.stale = pin, True
+        host = [{"params": [self._master(p) for p in g["params"]], "weight_decay": g["weight_decay"]}
+                for g in groups]
+        super().__init__(host, foreach=True, **kwargs)
+
+    optim = property(lambda self: self, doc="the optimizer holding the masters (as ZeroOne's .optim)")
+
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        master = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
+        self.params_of[master] = p
+        return master
+
+    def reload_masters(self) -> None:
+        """The masters are copied from the parameters before the next step."""
+        self.stale = True
+
+    @staticmethod
+    def _local(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):  # a gradient: in the parameter's placements (partial under some plans)
+            return t.redistribute(p.device_mesh, p.placements).to_local()
+        return t
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        pairs = list(self.params_of.items())
+        if self.stale:
+            for master, p in pairs:
+                master.copy_(self._local(p, p))
+            self.stale = False
+        for master, p in pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            if master.grad is None:
+                master.grad = torch.empty(master.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
+            master.grad.copy_(self._local(p.grad, p), non_blocking=True)
+        device = next(iter(self.params_of.values())).device if pairs else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the gradients are on the host before AdamW reads them
+        loss = super().step(closure)
+        for master, p in pairs:
+            self._local(p, p).copy_(master, non_blocking=True)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.params_of.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None,
+                    host: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters: ZeRO-1's (ZeroOne) when zero_group is given, on the host (HostAdamW)
+    with host (parallel.offload = "optimizer")."""
     kwargs = {"lr": lr, "betas": (t.beta1, t.beta2), "eps": 1e-8}
     groups = param_groups(model, t.weight_decay)
     if zero_group is not None:  # ZeRO-1: each dp rank keeps the AdamW state of its share of parameters
         return ZeroOne(groups, zero_group, **kwargs)
+    if host:
+        pin = any(p.device.type == "cuda" for g in groups for p in g["params"])
+        return HostAdamW(groups, pin, **kwargs)
     # foreach: multi-tensor kernels that take DTensor shards (FSDP, TP) as they take plain tensors. Fused AdamW
     # would let step_or_skip skip a non-finite step without a host sync; it is not used yet.
     return torch.optim.AdamW(groups, foreach=True, **kwargs)

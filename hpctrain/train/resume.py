@@ -27,7 +27,9 @@ def checkpointer(trainer) -> Checkpointer:
     """The run's checkpointer over everything `trainer` (a Trainer) holds that a checkpoint keeps (collective:
     takes the directory lock). The heartbeat follows its phases and bytes (the watchdog's checkpoint limit)."""
     t = trainer
-    optimizer = (ckpt_state.ZeroOneOptimizerState if t.pm.zero_stage == 1 else ckpt_state.OptimizerState)(
+    # an optimizer that holds stand-ins of the parameters (ZeRO-1's shards, the host's masters) saves by their map
+    stand_ins = hasattr(t.optimizer, "params_of")
+    optimizer = (ckpt_state.ZeroOneOptimizerState if stand_ins else ckpt_state.OptimizerState)(
         t.pm.model, t.optimizer, t.pm.tied.aliases if t.pm.tied else None)  # pm.model: loads into unfilled weights
     saved = Saved(t.pm.model, optimizer, t.progress, {"scheduler": t.scheduler, "scaler": t.scaler, "data": t.loader},
                   fill=t.pm.fill, loaded=t.pm.loaded, nonfinite=lambda: t.nonfinite.check(t.step))

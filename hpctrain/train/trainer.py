@@ -123,7 +123,8 @@ class Trainer:
         self.pp_group = s.mesh.group("pp") if layout.pp > 1 else None
         self.lr = optim.effective_lr(cfg.train, self.global_batch)
         zero_group = self.dp_group if self.pm.zero_stage == 1 else None  # ZeRO-1 shards the optimizer state on dp
-        self.optimizer = optim.build_optimizer(self.pm.model, cfg.train, self.lr, zero_group)
+        self.optimizer = optim.build_optimizer(self.pm.model, cfg.train, self.lr, zero_group,
+                                               host=cfg.parallel.offload == "optimizer")
         self.scheduler = optim.build_schedule(self.optimizer, cfg.train, self.lr, cfg.train.steps)
         self.scaler = optim.LossScaler(cfg.train.precision == "fp16", cfg.train.loss_scale)
         # files no record describes: scanned once, by one rank, before any rank opens them

@@ -8,7 +8,9 @@
 # recorder, diagnose; exit 1), 5 hpctrain bench on the job's backend by nccl-tests' definition (-a 1 -z 0), 6 bench
 # --backend mpi in a GPU job (host buffers; said and skipped where no mpiexec or MPI library is there), 7 async saves on
 # NCCL with lazy gloo and expandable_segments, then a resume from them, 8 the gradient norm of a rank without
-# gradients reduced over a "cpu:gloo,cuda:nccl" group on the parameters' device. Each step prints its exit status;
+# gradients reduced over a "cpu:gloo,cuda:nccl" group on the parameters' device, 9 CPU offload (all, optimizer)
+# against the plain run, and on CUDA a 6B model whose AdamW state does not fit trained with offload = "all"; context
+# parallel's CUDA ring needs 2 GPUs and is not here. Each step prints its exit status;
 # outputs go to $OUT (default /tmp/devout). Steps 2 and 4 run with the test seams of tests/plugins/seams.py (its
 # sitecustomize.py on PYTHONPATH reads SEAM_DOCTOR_SLOW and SEAM_FAULT).
 set -u
@@ -100,5 +102,23 @@ assert n.device.type == dev and n.item() == 0.0, n
 dist.destroy_process_group()
 EOP
 rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "grad norm without gradients" 0 $rc; cat $OUT/gradnorm.txt | tail -2
+echo "== 9 CPU offload: the same losses as without; a model whose AdamW state does not fit trains with it"; t=$SECONDS
+timeout 240 $H train $ROOT/g1.toml --set parallel.zero_stage=3 --set checkpoint.at_end=false --run-dir $ROOT/of0 > $OUT/offload0.txt 2>&1; rc=$?; expect "zero3 without offload" 0 $rc
+timeout 240 $H train $ROOT/g1.toml --set parallel.zero_stage=3 --set parallel.offload=all --set checkpoint.at_end=false --run-dir $ROOT/of1 > $OUT/offload1.txt 2>&1; rc=$?; expect "zero3 offload all" 0 $rc
+timeout 240 $H train $ROOT/g1.toml --set parallel.offload=optimizer --set checkpoint.at_end=false --run-dir $ROOT/of2 > $OUT/offload2.txt 2>&1; rc=$?; expect "optimizer offload" 0 $rc
+$PY - $ROOT/of0 $ROOT/of1 $ROOT/of2 <<'EOP' || BAD=1
+import json, sys
+runs = [[json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl") if '"loss"' in l] for d in sys.argv[1:]]
+print("losses", [r[-1] for r in runs])
+assert all(len(r) == len(runs[0]) > 0 for r in runs) and all(abs(a - b) < 2e-2 for r in runs[1:]
+                                                                for a, b in zip(r, runs[0])), runs
+EOP
+if [ "$DEV" = cuda ]; then
+  # about 6B parameters: 96 GB of fp32 weights, gradients and AdamW state, more than the GPU; with offload the GPU
+  # holds a block's gathered bf16 weights and the activations
+  timeout 420 $H train $ROOT/g1.toml --set model.dim=4096 --set model.n_layers=28 --set model.n_heads=32 --set model.vocab_size=32000 --set train.steps=3 --set train.micro_batch_size=1 --set train.ac=full --set parallel.zero_stage=3 --set parallel.offload=all --set checkpoint.at_end=false --run-dir $ROOT/of3 > $OUT/offload_big.txt 2>&1; rc=$?; expect "6B with offload all" 0 $rc
+  grep -E "parameters|step +3|memory" $OUT/offload_big.txt | tail -4
+fi
+echo "rc=$BAD after $((SECONDS-t)) s"
 [ $BAD = 0 ] && echo "gpu_smoke: every step as expected" || echo "gpu_smoke: MISMATCH above"
 exit $BAD

@@ -139,6 +139,9 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
                         "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0],
                         "outputs_kept": int(kept), "recv_buffers": int(held),
                         "offload": fsdp_offload([tr.model, *tr.pm.parts]),
+                        # parallel.offload = "optimizer": AdamW's masters and state in host memory
+                        "host_optimizer": type(tr.optimizer).__name__ == "HostAdamW" and all(
+                            m.device.type == "cpu" for m in getattr(tr.optimizer, "params_of", {})),
                         "fused": fused_modules([tr.model, *tr.pm.parts])}, out)
     return {"losses": summary["losses"]}
 

@@ -81,6 +81,11 @@ def _cases(out: Path) -> list[dict]:
         {"name": "offload", "overrides": ["parallel.zero_stage=3", "parallel.offload=all", "train.micro_batch_size=2",
                                           "train.steps=8", f"train.resume={step4}", "checkpoint.every_steps=2",
                                           ck("ckO"), "checkpoint.at_end=false"]},
+        {"name": "host_adamw", "overrides": ["parallel.tp=2", "parallel.zero_stage=2", "parallel.offload=optimizer",
+                                             "train.micro_batch_size=4", "train.steps=8", f"train.resume={step4}",
+                                             "checkpoint.every_steps=2", ck("ckV"), "checkpoint.at_end=false"]},
+        {"name": "host_adamw_back", "overrides": LAYOUT + ["train.steps=8", ck("ckV2"), "checkpoint.at_end=false",
+                                                           f"train.resume={out / 'ckV' / 'step_00000006'}"]},
         {"name": "offload_back", "overrides": LAYOUT + ["train.steps=8", ck("ckO2"), "checkpoint.at_end=false",
                                                         f"train.resume={out / 'ckO' / 'step_00000006'}"]},
         # GPT's GeLU MLP: tp2 x dp2 ZeRO-3 saves at step 4, tp2 with sequence parallel, ZeRO-1 and op recompute goes on
@@ -189,6 +194,13 @@ def test_cpu_offload_checkpoints_reshard(runs) -> None:
     _continues_from_step4(runs["offload_back"], runs["full"], step=6)
 
 
+def test_optimizer_offload_checkpoints_reshard(runs) -> None:
+    """parallel.offload = "optimizer" (tp2 x dp2 ZeRO-2, AdamW on the host) goes on from a checkpoint written
+    without it, its masters copied from the loaded weights, and writes one that goes on without."""
+    _continues_from_step4(runs["host_adamw"], runs["full"])
+    _continues_from_step4(runs["host_adamw_back"], runs["full"], step=6)
+
+
 def test_gelu_mlp_reshards(runs) -> None:
     """A GeLU model's ZeRO-3 checkpoint goes on in tp2 x dp2 with sequence parallel, ZeRO-1 and op recompute, as the
     uninterrupted run."""
@@ -255,7 +267,8 @@ def test_hf_export_from_tp2_dp2_zero3(runs, tmp_path) -> None:
 
     ckpt, out = runs["out"] / "ckH" / "step_00000002", tmp_path / "hf"
     marker = json.loads((ckpt / "COMMITTED").read_text())
-    assert marker["layout"] == {"pp": 1, "dp": 2, "tp": 2, "zero_stage": 3} and len(list(ckpt.glob("*.h5"))) == 4
+    assert marker["layout"] == {"pp": 1, "dp": 2, "tp": 2, "cp": 1, "zero_stage": 3}
+    assert len(list(ckpt.glob("*.h5"))) == 4
     done = export_hf(ckpt, out)
     assert (done["vocab_size"], done["padded_vocab_size"], done["num_shards"]) == (200, 256, 1)
     diff = logit_diff(out, ckpt, runs["hf"]["weights"], 48)

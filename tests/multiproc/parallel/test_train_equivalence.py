@@ -61,6 +61,7 @@ TWO = [
     # CPU offload (FSDP's shards, gradients and AdamW state in host memory): on CPU the same run as without
     {"name": "dp2_zero3_offload", "overrides": ["parallel.zero_stage=3", "parallel.offload=all",
                                                 "train.micro_batch_size=4"]},
+    {"name": "dp2_zero0_host_adamw", "overrides": ["parallel.offload=optimizer", "train.micro_batch_size=4"]},
     {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
     {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
     *[{"name": f"pp2v2_{sched}", "overrides": PP + FOUR_LAYERS + [f"parallel.pp_schedule={sched}",
@@ -93,6 +94,8 @@ FOUR = [
                                                    "train.micro_batch_size=4"]},
     {"name": "pp2dp2_zero2_offload", "overrides": PP + ["parallel.zero_stage=2", "parallel.offload=all",
                                                         "train.micro_batch_size=1"]},
+    {"name": "tp2dp2_zero3_host_adamw", "overrides": ["parallel.tp=2", "parallel.zero_stage=3",
+                                                      "parallel.offload=optimizer", "train.micro_batch_size=4"]},
     {"name": "tp2dp2_zero1_sp_fused", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                     "parallel.zero_stage=1", "train.micro_batch_size=2",
                                                     "train.grad_accum=2", FUSED]},
@@ -190,6 +193,14 @@ def test_cpu_offload_trains_the_same_model(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
     assert results[case]["offload"] and all(results[case]["offload"].values()), results[case]["offload"]
     assert results["dp2_zero3"]["offload"] and not any(results["dp2_zero3"]["offload"].values())
+
+
+@pytest.mark.parametrize("case", ["dp2_zero0_host_adamw", "tp2dp2_zero3_host_adamw"])
+def test_optimizer_offload_trains_the_same_model(results, case) -> None:
+    """parallel.offload = "optimizer": AdamW steps fp32 masters in host memory and copies them back into the
+    parameters (DDP, and tp2 x dp2 ZeRO-3's DTensor shards): the same run."""
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results[case]["host_optimizer"] and not results["dp2_zero0"]["host_optimizer"]
 
 
 def test_tied_embeddings_stay_one_matrix(results) -> None:

@@ -23,7 +23,10 @@ def test_search_ranks_what_fits_and_names_the_rest() -> None:
     fit, why = search(cfg, profile("h100-sxm"), 5.0, 6000.0, 128)
     speeds = [o["tokens_per_s"] for o in fit]
     assert fit and speeds == sorted(speeds, reverse=True)
-    assert all(o["fits"] and o["layout"]["pp"] * o["layout"]["dp"] * o["layout"]["tp"] == 128 for o in fit)
+    lay = [o["layout"] for o in fit]
+    assert all(o["fits"] for o in fit) and all(x["pp"] * x["dp"] * x["cp"] * x["tp"] == 128 for x in lay)
+    assert {x["cp"] for x in lay} == {1, 2}  # 8192-token sequences: cp 2 keeps 4096 per rank, cp 4 too few
+    assert {x["offload"] for x in lay} == {"none"}  # layouts fit without: offload is not searched
     assert all(o["layout"]["micro_batch"] * o["layout"]["grad_accum"] * o["layout"]["dp"] == 128 for o in fit)
     own = {"pp": 1, "dp": 16, "tp": 8, "zero_stage": 3, "micro_batch": 1, "grad_accum": 8, "ac": "full"}
     assert any(own.items() <= o["layout"].items() for o in fit)  # the config's own layout is among them
@@ -38,5 +41,6 @@ def test_search_ranks_what_fits_and_names_the_rest() -> None:
                                    "--set", "parallel.dp=-1"])
     assert out.exit_code == 0, out.output
     listed = json.loads(out.output)
-    assert listed and all(o["layout"]["pp"] * o["layout"]["dp"] * o["layout"]["tp"] == 32 for o in listed)
+    assert listed and all(o["layout"]["pp"] * o["layout"]["dp"] * o["layout"]["cp"] * o["layout"]["tp"] == 32
+                          for o in listed)
     assert [o["tokens_per_s"] for o in listed] == sorted((o["tokens_per_s"] for o in listed), reverse=True)

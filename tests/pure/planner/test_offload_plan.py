@@ -34,7 +34,7 @@ def test_70b_on_one_node_fits_with_offload_and_states_the_host_memory() -> None:
     assert out["fits"] and out["memory_gib_per_gpu"] < 80
     assert out["model_states_gib"]["total"] == 0  # ZeRO-3 without pp: nothing of the states stays on the GPU
     plan = make_plan(cfg, mesh.block_placement(1, 8), training=True)
-    per_rank = host_states(plan, Coords(0, 0))
+    per_rank = host_states(plan, Coords(0, 0), 3, "all")
     assert per_rank == pytest.approx(20 * plan.dims.num_params() / 8, rel=0.01)  # fp32 shard, grad, 2 moments, temp
     assert out["host_memory_gb_per_node"] == pytest.approx(8 * per_rank / 2**30)
     assert any("GiB of host memory per node" in n for n in out["notes"])
@@ -73,8 +73,29 @@ def test_offload_needs_fsdp() -> None:
     with pytest.raises(ValueError, match="parallel.offload = 'all' moves FSDP's shards to host memory: it needs "
                                          "parallel.zero_stage = 2 or 3 \\(got 1\\)"):
         load_config(None, ["parallel.offload=all", "parallel.zero_stage=1"])
-    with pytest.raises(ValueError, match="parallel.offload = 'optimizer' is not one of"):
-        load_config(None, ["parallel.offload=optimizer", "parallel.zero_stage=3"])
+    with pytest.raises(ValueError, match="parallel.offload = 'optimizer' with parallel.zero_stage = 1"):
+        load_config(None, ["parallel.offload=optimizer", "parallel.zero_stage=1"])
+    with pytest.raises(ValueError, match="parallel.offload = 'cpu' is not one of"):
+        load_config(None, ["parallel.offload=cpu", "parallel.zero_stage=3"])
+
+
+def test_optimizer_offload_keeps_the_weights_and_moves_adamw() -> None:
+    """parallel.offload = "optimizer": the device keeps parameters and gradients, the host AdamW's moments and the
+    fp32 masters (20 bytes per parameter of the rank's share with the gradients' copy and the step's temporary);
+    the step's gradients go down and the parameters up over the host link."""
+    sets = ["job.nodes=16", "parallel.dp=-1", "parallel.tp=8", "parallel.zero_stage=3", "train.ac=full"]
+    plain = evaluate(load_config(EXAMPLE, sets), profile("h100-sxm"), 5.0)
+    cfg = load_config(EXAMPLE, sets + ["parallel.offload=optimizer"])
+    out = evaluate(cfg, profile("h100-sxm"), 5.0)
+    assert out["model_states_gib"]["optimizer"] == 0 < plain["model_states_gib"]["optimizer"]
+    assert out["model_states_gib"]["params"] == plain["model_states_gib"]["params"]
+    plan = make_plan(cfg, mesh.block_placement(16, 8), training=True)
+    per_rank = host_states(plan, Coords(0, 0), 3, "optimizer")
+    assert per_rank == pytest.approx(20 * plan.dims.num_params() / 128, rel=0.01)
+    assert out["host_memory_gb_per_node"] == pytest.approx(8 * per_rank / 2**30)
+    est = time_estimate(cfg, plan, profile("h100-sxm"))
+    assert est.terms["offload_s"] == est.terms["offload_total_s"] == pytest.approx(
+        8 * plan.dims.num_params() / 128 / 64e9, rel=0.01)
 
 
 def test_search_offloads_only_when_nothing_fits_without() -> None:
