@@ -59,22 +59,26 @@ def choose_executor(cfg: Config) -> tuple[str, str]:
 
 
 def partitions() -> dict[str, dict[str, Any]]:
-    """{name: {"nodes": n, "cpus": max CPUs per node, "default": bool}} from sinfo."""
-    out = _run(["sinfo", "-h", "-o", "%P|%D|%c"])
+    """{name: {"nodes": n, "cpus": max CPUs per node, "mem_mb": the least memory of a node (MB, Slurm's
+    RealMemory), "default": bool}} from sinfo."""
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%m"])
     parts: dict[str, dict[str, Any]] = {}
     for line in out.stdout.splitlines():
-        name, nodes, cpus = line.strip().split("|")
+        name, nodes, cpus, mem = line.strip().split("|")
         default = name.endswith("*")
-        p = parts.setdefault(name.rstrip("*"), {"nodes": 0, "cpus": 0, "default": False})
+        p = parts.setdefault(name.rstrip("*"), {"nodes": 0, "cpus": 0, "mem_mb": None, "default": False})
         p["nodes"] += int(nodes)
         p["cpus"] = max(p["cpus"], int(cpus.rstrip("+")))
+        least = int(mem.rstrip("+"))  # "256000+": the group's least, some nodes have more
+        p["mem_mb"] = least if p["mem_mb"] is None else min(p["mem_mb"], least)
         p["default"] |= default
     return parts
 
 
-def check_cluster(cfg: Config, echo=print) -> None:
+def check_cluster(cfg: Config, echo=print, host_gib: float = 0.0) -> None:
     """Refuses, before sbatch, what this cluster can never run: a missing partition, too many nodes or CPUs, an
-    MPI plugin srun does not have.
+    MPI plugin srun does not have, and with parallel.offload and no job.mem_gb a node whose memory is smaller than
+    `host_gib`, the host memory per node the planner predicts for the offloaded states.
 
     (sbatch accepts such a job and leaves it pending forever.)"""
     parts = partitions()
@@ -90,6 +94,11 @@ def check_cluster(cfg: Config, echo=print) -> None:
         raise ValueError(f"job.tasks_per_node * job.cpus_per_task = {cfg.job.tasks_per_node} * "
                          f"{cfg.job.cpus_per_task} = {cpus} CPUs per node, but nodes of partition {name!r} "
                          f"have at most {part['cpus']}")
+    if host_gib and not cfg.job.mem_gb and part["mem_mb"] and host_gib > part["mem_mb"] / 1024:
+        raise ValueError(f"parallel.offload = {cfg.parallel.offload!r}: {host_gib:.1f} GiB of host memory per node "
+                         f"predicted for the offloaded states, but the nodes of partition {name!r} have "
+                         f"{part['mem_mb'] / 1024:.1f} GiB (sinfo's RealMemory); spread the model over more nodes, "
+                         f"or offload less (parallel.offload = 'optimizer')")
     check_mpi(cfg, echo)
 
 
@@ -271,6 +280,10 @@ def predict_fit(cfg: Config, plan: Plan, echo=print, memory_check: bool = True) 
         return None
     out = report.evaluate(cfg, hw, storage_gbps=5.0, node_mtbf_h=ckpt_cost.NODE_MTBF_H, plan=plan)
     echo("planner: " + report.describe(out).replace("\n", "\nplanner: "))
+    if not out["host_fits"] and memory_check:
+        raise ValueError(f"the offloaded states do not fit the nodes' memory: {out['host_memory_gb_per_node']:.1f} "
+                         f"GiB per node predicted, job.mem_gb = {cfg.job.mem_gb:g}; raise job.mem_gb (up to the "
+                         f"nodes' memory), spread the model over more nodes, or submit with --no-memory-check")
     if not out["fits"] and memory_check:
         st = out["model_states_gib"]
         raise ValueError(f"the layout does not fit on {hw.name}: {out['memory_gib_per_gpu']:.1f} GiB per GPU predicted "
@@ -346,13 +359,13 @@ def submit(cfg: Config, task: Callable[[Path, Path], Callable[[], Any]], echo=pr
     """Validates, makes a fresh run directory, submits. On failure nothing is left behind. task(config_path,
     run_dir) is the picklable callable every task of the job runs (hpctrain.cli.main.CliTask: one command line)."""
     plan = check_layout(cfg, echo)
-    predict_fit(cfg, plan, echo, memory_check)
+    predicted = predict_fit(cfg, plan, echo, memory_check)
     check_storage(cfg, plan, echo)
     from hpctrain.planner import fds
     fds.check(cfg, plan.layout)  # a layout past the compute nodes' open-files limit is refused, as the dry run does
     kind, why = choose_executor(cfg)
     if kind == "slurm":
-        check_cluster(cfg, echo)
+        check_cluster(cfg, echo, (predicted or {}).get("host_memory_gb_per_node", 0.0) if memory_check else 0.0)
     echo(f"executor: {kind} ({why})")
     if kind == "local" and cfg.job.nodes > 1:
         echo(f"local executor: {cfg.job.nodes} nodes x {cfg.job.tasks_per_node} tasks run as {cfg.world_size} "

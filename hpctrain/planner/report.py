@@ -109,7 +109,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
     fits = total <= hw.memory_gib * GIB
     # host memory per node under CPU offload: each rank's offloaded states (its rank with the most: dp rank 0's
     # padded shards), times the ranks a node runs; in GiB, as Slurm counts job.mem_gb (--mem=NG)
-    host = 0.0
+    host, host_fits = 0.0, True
     offload = cfg.parallel.offload
     if offload != "none":
         host = max(host_states(plan, Coords(p, 0), cfg.parallel.zero_stage, offload)
@@ -121,7 +121,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
                      f"need otherwise" + (f"; job.mem_gb = {mem:g}" if mem else
                                           "; job.mem_gb unset: check it against the nodes' memory"))
         if mem and host > mem:
-            fits = False
+            fits = host_fits = False
             notes.append(f"does not fit in host memory: {host:.1f} GiB per node predicted for the offloaded states, "
                          f"job.mem_gb = {mem:g}: raise job.mem_gb (up to the nodes' memory), or spread the model "
                          f"over more nodes")
@@ -149,7 +149,7 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
         "memory_gib_per_gpu": total / GIB, "model_states_gib": {k: v / GIB for k, v in states.items()},
-        "host_memory_gb_per_node": host,
+        "host_memory_gb_per_node": host, "host_fits": host_fits,
         "activations_gib": acts / GIB, "activation_bytes_per_layer": per_layer, "peak_gib": worst["peak"] / GIB,
         "peak_phase": worst["phase"],
         "peak_pp_rank": worst["pp_rank"], "memory_margin": MARGIN, "gpu_memory_gib": hw.memory_gib, "fits": fits,

@@ -38,3 +38,18 @@ def test_listed_plugin_that_srun_cannot_load_warns(slurm_cluster):
     notes.clear()
     launch.check_cluster(load_config(EXAMPLE), notes.append)
     assert notes == []
+
+
+@pytest.mark.slurm
+def test_offload_beyond_the_nodes_memory_is_refused(slurm_cluster):
+    """parallel.offload without job.mem_gb: the host memory the planner predicts per node is checked against the
+    partition's nodes (sinfo's RealMemory) before sbatch."""
+    cfg = load_config(EXAMPLE, ["parallel.zero_stage=3", "parallel.offload=all"])
+    node_mb = launch.partitions()[next(n for n, p in launch.partitions().items() if p["default"])]["mem_mb"]
+    assert node_mb and node_mb > 0
+    launch.check_cluster(cfg, host_gib=node_mb / 1024 / 2)  # half a node: accepted
+    with pytest.raises(ValueError, match="GiB of host memory per node predicted for the offloaded states, but the "
+                                         "nodes of partition"):
+        launch.check_cluster(cfg, host_gib=node_mb / 1024 * 2)
+    launch.check_cluster(load_config(EXAMPLE, ["parallel.zero_stage=3", "parallel.offload=all", "job.mem_gb=1"]),
+                         host_gib=node_mb / 1024 * 2)  # job.mem_gb given: the planner checked against it
