@@ -81,7 +81,7 @@ def host_reads(monkeypatch) -> list[str]:
     return reads
 
 
-def fused_adamw(model, t, lr, zero_group=None) -> torch.optim.Optimizer:
+def fused_adamw(model, t, lr, zero_group=None, host=False) -> torch.optim.Optimizer:
     """AdamW whose kernel takes found_inf: it can skip a step on the device."""
     return torch.optim.AdamW(optim.param_groups(model, t.weight_decay), lr=lr, betas=(t.beta1, t.beta2), eps=1e-8,
                              fused=True)
