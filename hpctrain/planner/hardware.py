@@ -33,7 +33,7 @@ NUMBERS = ("memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
 LINKS = ("intra_node_gbps", "inter_node_gbps")  # unknown (None) on a calibration made without `hpctrain bench`
 # what a calibration measures besides the peak (hpctrain/train/calibrate.py); None: not calibrated
 CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s")
-OPTIONAL = ("host_link_gbps",)  # figures a profile may lack (None): the time terms that need them say so
+OPTIONAL = ("host_link_gbps", "host_memory_gbps")  # figures a profile may lack (None): their terms say so
 OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES) + CALIBRATED + OPTIONAL
 CPU = "cpu"  # the name a CPU job's profile goes by: there is no datasheet for it, only a calibration
 
@@ -62,6 +62,9 @@ class Hardware:
     host_step_s: float | None = None
     # per GPU, per direction, between the GPU and host memory (GB/s: PCIe); what CPU offload moves over it
     host_link_gbps: float | None = None
+    # per node, the host memory's bandwidth (GB/s) that an offloaded AdamW step streams through; no datasheet has
+    # it (a node property): None unless given (--hw host_memory_gbps=...), and the host step is then not timed
+    host_memory_gbps: float | None = None
 
     def __post_init__(self) -> None:
         peaks = dict(self.peak_tflops)
@@ -74,8 +77,9 @@ class Hardware:
                 continue
             if not _positive(getattr(self, key)):
                 raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be a positive finite number")
-        if self.host_link_gbps is not None and not _positive(self.host_link_gbps):
-            raise ValueError(f"{self.name}: host_link_gbps={self.host_link_gbps!r} must be a positive finite number")
+        for key in OPTIONAL:
+            if getattr(self, key) is not None and not _positive(getattr(self, key)):
+                raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be a positive finite number")
         for key in CALIBRATED:
             value = getattr(self, key)
             if value is None:

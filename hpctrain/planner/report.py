@@ -120,6 +120,9 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
                      f"{what} of its {cfg.job.tasks_per_node} ranks (pinned on GPUs), besides what the processes "
                      f"need otherwise" + (f"; job.mem_gb = {mem:g}" if mem else
                                           "; job.mem_gb unset: check it against the nodes' memory"))
+        if hw.host_memory_gbps is None and hw.name != CPU:
+            notes.append("the optimizer's step on the host is not in the step time: give the nodes' memory "
+                         "bandwidth with --hw host_memory_gbps=GB/s (e.g. from a STREAM run) to time it")
         if mem and host > mem:
             fits = host_fits = False
             notes.append(f"does not fit in host memory: {host:.1f} GiB per node predicted for the offloaded states, "

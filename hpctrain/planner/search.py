@@ -68,7 +68,8 @@ def search(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float,
            global_batch: int) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """(fitting layouts, best first by tokens/s; why the others were refused: reason -> [count, and for running
     out of memory the least and most GiB over the GPU's]). CPU offload is searched only when no layout fits without
-    it: its step on the host is not in the time model (planner.timing), so it would look cheaper than it is."""
+    it: its step on the host is timed only where the profile has the host's memory bandwidth (planner.timing), and
+    its cost otherwise would look smaller than it is."""
     fit: list[dict[str, Any]] = []
     why: dict[str, list[float]] = {}
     _evaluate_all(candidates(cfg, global_batch), hw, storage_gbps, node_mtbf_h, fit, why)

@@ -49,8 +49,9 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
 - CPU offload "all" (FSDP's CPUOffloadPolicy): per step each rank's fp32 shards travel to the GPU for every gather
   (2 per micro-batch under ZeRO-3, once under ZeRO-2) and its gradient shards back after every micro-batch's
   reduce-scatter, over the GPU's host link (Hardware.host_link_gbps, PCIe); hidden behind the compute where it is
-  shorter, except one block's share. "optimizer": the step's fp32 gradients down and parameters up, exposed. Not
-  modelled: the optimizer's step on the host (its memory bandwidth).
+  shorter, except one block's share. "optimizer": the step's fp32 gradients down and parameters up, exposed. The
+  optimizer's step on the host, exposed, where the host memory's bandwidth per node is given (Hardware.
+  host_memory_gbps: HOST_ADAMW_BYTES per parameter of the node's ranks); without it, not modelled.
 - host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
   GPUs; a CPU calibration's Hardware.host_*_s).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
@@ -78,6 +79,7 @@ EFFICIENCY = 0.54
 MATMUL_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8": "fp8"}  # precision -> dtype of its GEMMs
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # activations and gathered parameters (fp8: bf16 comm)
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+HOST_ADAMW_BYTES = 32  # host memory traffic of one parameter's AdamW step: fp32 master r+w, grad r, moments r+w
 # hpctrain's train.ac modes ("every": blocks 0, k, 2k, ...), and Megatron's selective recompute of published runs
 RECOMPUTE = ("none", "full", "every", "selective", "op", "attention-core")
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
@@ -285,6 +287,11 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
             offload_exposed = max(offload_comm / blocks, offload_comm - compute)
         else:  # the step's gradients down and the parameters back up, between backward and the next forward
             offload_comm = offload_exposed = shard * (4 + 4) / link
+        if hw.host_memory_gbps is not None:  # the host's AdamW step, after backward: every rank of the node streams
+            # its share's masters (read, write), gradients (read) and two moments (read, write): 32 bytes a parameter
+            host_step = gpn * shard * HOST_ADAMW_BYTES / (hw.host_memory_gbps * 1e9)
+            offload_exposed += host_step
+            offload_comm += host_step
 
     host = host_step_s + host_block_s * blocks * m
     step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + offload_exposed + host

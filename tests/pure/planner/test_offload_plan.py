@@ -107,3 +107,18 @@ def test_search_offloads_only_when_nothing_fits_without() -> None:
     fit, _ = search.search(cfg, profile("h100-sxm"), 5.0, 1e6, 16)
     assert fit and all(o["layout"]["offload"] == "all" for o in fit)
     assert "3+off" in search.describe(fit, {}).splitlines()[2]
+
+
+def test_the_host_step_is_timed_where_the_host_memory_bandwidth_is_given() -> None:
+    """The offloaded AdamW step streams 32 bytes a parameter of the node's ranks through host memory: timed with
+    --hw host_memory_gbps, and the plan says it is left out without."""
+    cfg = load_config(EXAMPLE, ONE_NODE + ["parallel.offload=all"])
+    plan = make_plan(cfg, mesh.block_placement(1, 8), training=True)
+    base = time_estimate(cfg, plan, profile("h100-sxm"))
+    timed = time_estimate(cfg, plan, profile("h100-sxm", {"host_memory_gbps": 400}))
+    step = 8 * plan.dims.num_params() / 8 * 32 / 400e9
+    assert timed.terms["offload_s"] - base.terms["offload_s"] == pytest.approx(step, rel=0.01)
+    assert timed.step_time_s - base.step_time_s == pytest.approx(step, rel=0.01)
+    assert any("host_memory_gbps" in n for n in evaluate(cfg, profile("h100-sxm"), 5.0)["notes"])
+    assert not any("host_memory_gbps" in n for n in evaluate(
+        cfg, profile("h100-sxm", {"host_memory_gbps": 400}), 5.0)["notes"])
