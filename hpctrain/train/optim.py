@@ -101,7 +101,7 @@ class HostAdamW(torch.optim.AdamW):
     optim = property(lambda self: self, doc="the optimizer holding the masters (as ZeroOne's .optim)")
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = self._weights(p)
         master = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
         self.params_of[master] = p
         return master
@@ -111,17 +111,22 @@ class HostAdamW(torch.optim.AdamW):
         self.stale = True
 
     @staticmethod
-    def _local(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, DTensor):  # a gradient: in the parameter's placements (partial under some plans)
-            return t.redistribute(p.device_mesh, p.placements).to_local()
-        return t
+    def _weights(p: torch.Tensor) -> torch.Tensor:
+        """The parameter's local storage (under no_grad: the tensor the DTensor wraps, written in place)."""
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        """The local part of the parameter's gradient, in the parameter's placements (partial under some plans)."""
+        g = p.grad
+        return g.redistribute(p.device_mesh, p.placements).to_local() if isinstance(g, DTensor) else g
 
     @torch.no_grad()
     def step(self, closure=None):
         pairs = list(self.params_of.items())
         if self.stale:
             for master, p in pairs:
-                master.copy_(self._local(p, p))
+                master.copy_(self._weights(p))
             self.stale = False
         for master, p in pairs:
             if p.grad is None:
@@ -129,13 +134,13 @@ class HostAdamW(torch.optim.AdamW):
                 continue
             if master.grad is None:
                 master.grad = torch.empty(master.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
-            master.grad.copy_(self._local(p.grad, p), non_blocking=True)
+            master.grad.copy_(self._grad(p), non_blocking=True)
         device = next(iter(self.params_of.values())).device if pairs else None
         if device is not None and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the gradients are on the host before AdamW reads them
         loss = super().step(closure)
         for master, p in pairs:
-            self._local(p, p).copy_(master, non_blocking=True)
+            self._weights(p).copy_(master, non_blocking=True)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
