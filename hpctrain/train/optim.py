@@ -85,18 +85,30 @@ class ZeroOne(ZeroRedundancyOptimizer):
 class HostAdamW(torch.optim.AdamW):
     """parallel.offload = "optimizer" (ZeRO-Offload's split): the parameters and their gradients stay on the
     device, AdamW's state and an fp32 master copy of each (local shard of a) parameter live in host memory (pinned
-    on GPUs), and the step runs on the host's cores: the gradients come down, AdamW steps the masters, the masters
-    go back up into the parameters. params_of maps each master to its parameter (the checkpoint saves the state
-    under the parameter's name, as a DTensor like the parameter's: state.ZeroOneOptimizerState). The masters are
-    copied from the parameters before the first step and after a checkpoint's load (reload_masters): the weights
-    are filled, or loaded, after the optimizer is built."""
+    on GPUs), and the step runs on the host's cores. params_of maps each master to its parameter (the checkpoint
+    saves the state under the parameter's name, as a DTensor like the parameter's: state.ZeroOneOptimizerState).
+    The masters are copied from the parameters before the first step and after a checkpoint's load
+    (reload_masters): the weights are filled, or loaded, after the optimizer is built.
 
-    def __init__(self, groups: list[dict], pin: bool, **kwargs) -> None:
+    The step is a pipeline over buckets of about bucket_bytes of masters (ZeRO-Offload's overlap): on a GPU every
+    bucket's gradients are queued for download on one side stream, the host steps bucket i as soon as its own
+    download has landed (an event, not a device-wide sync) while bucket i+1 is still coming down and bucket i-1's
+    new weights go up on a second side stream; the device's compute stream waits for the uploads, the host does
+    not, so the next step's first kernels are queued while the last bucket is still in flight. What is left
+    exposed is the first bucket's download and the last one's upload. The gradients are final only after the
+    step's reductions, clipping and (fp16) unscaling, so nothing goes down before step() is called. On the CPU
+    device the same buckets run in order, with plain copies."""
+
+    BUCKET_BYTES = 64 << 20  # 16M fp32 masters: PCIe moves one in ~2 ms, long enough to hide the queueing cost
+
+    def __init__(self, groups: list[dict], pin: bool, bucket_bytes: int = BUCKET_BYTES, **kwargs) -> None:
         self.params_of: dict[torch.Tensor, torch.Tensor] = {}
         self.pin, self.stale = pin, True
         host = [{"params": [self._master(p) for p in g["params"]], "weight_decay": g["weight_decay"]}
                 for g in groups]
         super().__init__(host, foreach=True, **kwargs)
+        self.buckets = self._bucket(bucket_bytes)
+        self._streams = None
 
     optim = property(lambda self: self, doc="the optimizer holding the masters (as ZeroOne's .optim)")
 
@@ -105,6 +117,18 @@ class HostAdamW(torch.optim.AdamW):
         master = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
         self.params_of[master] = p
         return master
+
+    def _bucket(self, bucket_bytes: int) -> list[list[list[torch.Tensor]]]:
+        """Consecutive masters of about bucket_bytes each: bucket[g] is the list of group g's masters in it."""
+        buckets, size = [], bucket_bytes
+        for gi, group in enumerate(self.param_groups):
+            for m in group["params"]:
+                if size >= bucket_bytes:
+                    buckets.append([[] for _ in self.param_groups])
+                    size = 0
+                buckets[-1][gi].append(m)
+                size += m.numel() * m.element_size()
+        return buckets
 
     def reload_masters(self) -> None:
         """The masters are copied from the parameters before the next step."""
@@ -121,27 +145,74 @@ class HostAdamW(torch.optim.AdamW):
         g = p.grad
         return g.redistribute(p.device_mesh, p.placements).to_local() if isinstance(g, DTensor) else g
 
-    @torch.no_grad()
+    def _step_bucket(self, bucket: list[list[torch.Tensor]]) -> None:
+        """torch's AdamW over this bucket's masters only (its state is kept per tensor, so a step in parts is the
+        step); the groups' full lists are put back even if it raises."""
+        whole = [g["params"] for g in self.param_groups]
+        try:
+            for g, part in zip(self.param_groups, bucket):
+                g["params"] = part
+            super().step()
+        finally:
+            for g, params in zip(self.param_groups, whole):
+                g["params"] = params
+
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._pipelined_step()
+        return loss
+
+    def _pipelined_step(self) -> None:
         pairs = list(self.params_of.items())
+        if not pairs:
+            return
+        device = next(iter(self.params_of.values())).device
         if self.stale:
             for master, p in pairs:
                 master.copy_(self._weights(p))
             self.stale = False
-        for master, p in pairs:
+        grads = {}
+        for master, p in pairs:  # on the compute stream: a partial gradient's reduction is compute-stream work
             if p.grad is None:
                 master.grad = None
                 continue
+            grads[master] = self._grad(p)
             if master.grad is None:
                 master.grad = torch.empty(master.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
-            master.grad.copy_(self._grad(p), non_blocking=True)
-        device = next(iter(self.params_of.values())).device if pairs else None
-        if device is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the gradients are on the host before AdamW reads them
-        loss = super().step(closure)
-        for master, p in pairs:
-            self._weights(p).copy_(master, non_blocking=True)
-        return loss
+        if device.type != "cuda":
+            for bucket in self.buckets:
+                for m in (m for part in bucket for m in part if m in grads):
+                    m.grad.copy_(grads[m])
+                self._step_bucket(bucket)
+                for m in (m for part in bucket for m in part):
+                    self._weights(self.params_of[m]).copy_(m)
+            return
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        down, up = self._streams
+        compute = torch.cuda.current_stream(device)
+        down.wait_stream(compute)  # the gradients are final on the compute stream
+        landed = []
+        with torch.cuda.stream(down):
+            for bucket in self.buckets:
+                for m in (m for part in bucket for m in part if m in grads):
+                    m.grad.copy_(grads[m], non_blocking=True)
+                landed.append(torch.cuda.Event())
+                landed[-1].record(down)
+        up.wait_stream(compute)
+        for bucket, event in zip(self.buckets, landed):
+            event.synchronize()  # this bucket's gradients are on the host; the next ones are still coming
+            self._step_bucket(bucket)
+            with torch.cuda.stream(up):
+                for m in (m for part in bucket for m in part):
+                    self._weights(self.params_of[m]).copy_(m, non_blocking=True)
+        compute.wait_stream(up)  # the next forward reads the new weights; the host goes on
+        # the gradients read on the side stream were reached from the compute stream: their memory is not reused
+        # before the downloads are done (every event was waited for above)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

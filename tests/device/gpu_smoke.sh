@@ -113,6 +113,25 @@ print("losses", [r[-1] for r in runs])
 assert all(len(r) == len(runs[0]) > 0 for r in runs) and all(abs(a - b) < 2e-2 for r in runs[1:]
                                                                 for a, b in zip(r, runs[0])), runs
 EOP
+# the host step's stream pipeline (many small buckets: downloads, host AdamW and uploads in flight together) gives
+# the weights of one bucket stepped in order: a missed wait shows as different weights
+DEV=$DEV timeout 120 $PY - > $OUT/host_adamw.txt 2>&1 <<'EOP'
+import os, torch
+from hpctrain.train.optim import HostAdamW, param_groups
+dev = os.environ["DEV"]
+def run(bucket_bytes):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).to(dev)
+    opt = HostAdamW(param_groups(m, 0.1), pin=dev == "cuda", bucket_bytes=bucket_bytes, lr=1e-3)
+    for _ in range(5):
+        m(torch.randn(64, 512, device=dev)).square().mean().backward()
+        opt.step(); opt.zero_grad()
+    return len(opt.buckets), [p.detach().cpu() for p in m.parameters()]
+(n1, one), (n2, many) = run(1 << 30), run(300_000)
+print("buckets", n1, n2, "equal", all(torch.equal(a, b) for a, b in zip(one, many)))
+assert n2 >= 8 and all(torch.equal(a, b) for a, b in zip(one, many))
+EOP
+rc=$?; expect "host AdamW in buckets" 0 $rc; tail -1 $OUT/host_adamw.txt
 if [ "$DEV" = cuda ]; then
   # about 6B parameters: 96 GB of fp32 weights, gradients and AdamW state, more than the GPU; with offload the GPU
   # holds a block's gathered bf16 weights and the activations
