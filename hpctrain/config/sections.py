@@ -116,6 +116,10 @@ class JobConfig:
         return out
 
 
+# parallel.offload = "optimizer" moves gradients down and weights up in buckets of this many bytes of fp32 masters
+# (train.optim.HostAdamW's pipeline; the planner's timing of it): 16M parameters, ~2 ms of PCIe Gen4 per bucket, long
+# enough to hide the queueing cost, short enough that the exposed first and last bucket stay small
+HOST_BUCKET_BYTES = 64 << 20
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
 
 

@@ -49,9 +49,11 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
 - CPU offload "all" (FSDP's CPUOffloadPolicy): per step each rank's fp32 shards travel to the GPU for every gather
   (2 per micro-batch under ZeRO-3, once under ZeRO-2) and its gradient shards back after every micro-batch's
   reduce-scatter, over the GPU's host link (Hardware.host_link_gbps, PCIe); hidden behind the compute where it is
-  shorter, except one block's share. "optimizer": the step's fp32 gradients down and parameters up, exposed. The
-  optimizer's step on the host, exposed, where the host memory's bandwidth per node is given (Hardware.
-  host_memory_gbps: HOST_ADAMW_BYTES per parameter of the node's ranks); without it, not modelled.
+  shorter, except one block's share. "optimizer": the step's fp32 gradients down, the host's step and the
+  parameters up, pipelined over HOST_BUCKET_BYTES buckets (a bucket's three stages, then the slowest stage per
+  further bucket), exposed. The optimizer's step on the host, exposed, where the host memory's bandwidth per node
+  is given (Hardware.host_memory_gbps: HOST_ADAMW_BYTES per parameter of the node's ranks); without it, not
+  modelled.
 - host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
   GPUs; a CPU calibration's Hardware.host_*_s).
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
@@ -65,6 +67,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hpctrain.config.sections import HOST_BUCKET_BYTES
 from hpctrain.parallel.recompute import recomputed_blocks
 from hpctrain.planner.hardware import Hardware
 
@@ -285,13 +288,20 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
             gathers = 2 * m if zero_stage == 3 else 1
             offload_comm = shard * (4 * gathers + reduce_b * m) / link
             offload_exposed = max(offload_comm / blocks, offload_comm - compute)
-        else:  # the step's gradients down and the parameters back up, between backward and the next forward
-            offload_comm = offload_exposed = shard * (4 + 4) / link
+        host_step = 0.0
         if hw.host_memory_gbps is not None:  # the host's AdamW step, after backward: every rank of the node streams
             # its share's masters (read, write), gradients (read) and two moments (read, write): 32 bytes a parameter
             host_step = gpn * shard * HOST_ADAMW_BYTES / (hw.host_memory_gbps * 1e9)
+        if offload == "all":
             offload_exposed += host_step
             offload_comm += host_step
+        else:  # the step's gradients down, the host's step and the parameters up, between backward and the next
+            # forward: a three-stage pipeline over buckets (HostAdamW), exposed in full: one bucket's down + step +
+            # up, then the slowest stage for every further bucket
+            down = shard * 4 / link
+            buckets = max(1, math.ceil(shard * 4 / HOST_BUCKET_BYTES))
+            offload_comm = 2 * down + host_step
+            offload_exposed = (2 * down + host_step) / buckets + (buckets - 1) * max(down, host_step) / buckets
 
     host = host_step_s + host_block_s * blocks * m
     step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + offload_exposed + host

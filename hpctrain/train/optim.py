@@ -25,6 +25,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from hpctrain.config import TrainConfig
+from hpctrain.config.sections import HOST_BUCKET_BYTES
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -99,9 +100,7 @@ class HostAdamW(torch.optim.AdamW):
     step's reductions, clipping and (fp16) unscaling, so nothing goes down before step() is called. On the CPU
     device the same buckets run in order, with plain copies."""
 
-    BUCKET_BYTES = 64 << 20  # 16M fp32 masters: PCIe moves one in ~2 ms, long enough to hide the queueing cost
-
-    def __init__(self, groups: list[dict], pin: bool, bucket_bytes: int = BUCKET_BYTES, **kwargs) -> None:
+    def __init__(self, groups: list[dict], pin: bool, bucket_bytes: int = HOST_BUCKET_BYTES, **kwargs) -> None:
         self.params_of: dict[torch.Tensor, torch.Tensor] = {}
         self.pin, self.stale = pin, True
         host = [{"params": [self._master(p) for p in g["params"]], "weight_decay": g["weight_decay"]}
