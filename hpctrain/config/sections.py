@@ -130,6 +130,10 @@ class ParallelConfig:
     dp: int = -1  # data-parallel replicas; -1: whatever is left of the world after pp * cp * tp
     tp: int = 1  # must fit inside one node
     cp: int = 1  # context parallel: ranks that split every sequence (ring attention), next to tp
+    # HSDP (zero_stage 2 or 3): dp's ranks form this many replicas, each sharding the model over dp x cp / dp_replicate
+    # neighbouring ranks (inside a node or a few); gradients are reduce-scattered in the shard group, then all-reduced
+    # across the replicas (the only traffic that crosses them). 1: plain FSDP over all of dp. Must divide dp
+    dp_replicate: int = 1
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
     timeout_s: int = 600  # collective and rendezvous timeout
     # the hang watchdog (hpctrain/hang/watchdog.py): no progress within a step's phase for this long dumps every live
@@ -167,7 +171,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_fields("parallel", self)
-        positive("parallel", self, "pp", "tp", "cp", "timeout_s", "connect_timeout_s", "pp_virtual_stages")
+        positive("parallel", self, "pp", "tp", "cp", "dp_replicate", "timeout_s", "connect_timeout_s",
+                 "pp_virtual_stages")
         positive("parallel", self, "startup_timeout_s", "flight_recorder", allow_zero=True)
         check(self.hang_timeout_s >= -1, f"parallel.hang_timeout_s = {self.hang_timeout_s} must be >= 0 (0: off), "
                f"or -1 for half of parallel.timeout_s")
@@ -203,6 +208,10 @@ class ParallelConfig:
               "parallel.zero_stage = 1: ZeRO-1 shards AdamW's state over dp on the GPUs; offload it with "
               "zero_stage 0 (DDP), 2 or 3")
         check(self.dp == -1 or self.dp >= 1, f"parallel.dp = {self.dp} must be >= 1, or -1 for auto")
+        check(self.dp_replicate == 1 or self.zero_stage in (2, 3), f"parallel.dp_replicate = {self.dp_replicate} "
+              f"replicates FSDP's shards (HSDP): it needs parallel.zero_stage = 2 or 3 (got {self.zero_stage})")
+        check(self.dp == -1 or self.dp % self.dp_replicate == 0, f"parallel.dp_replicate = {self.dp_replicate} "
+              f"does not divide parallel.dp = {self.dp}: HSDP splits the data-parallel ranks into equal replicas")
         one_of("parallel", "backend", self.backend, ("auto", "nccl", "gloo"))
         one_of("parallel", "rendezvous", self.rendezvous,
                 ("auto", "mpi", "slurm", "submitit", "torchrun", "single"))

@@ -188,7 +188,8 @@ def _build_mesh(s: Session) -> None:
     layout = s.plan.layout
     rows = mesh.rank_table(layout, node_of_rank, [i.node_name for i in idents], [i.local_rank for i in idents])
     s.summary["layout"] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp} | (
-        {"cp": layout.cp, "data": layout.data} if layout.cp > 1 else {})
+        {"cp": layout.cp, "data": layout.data} if layout.cp > 1 else {}) | (
+        {"dp_replicate": layout.replicate, "dp_shard": layout.shard} if layout.replicate > 1 else {})
     s.summary["rank_map"] = rows
     if s.rank == 0:
         for line in mesh.format_rank_map(layout, rows).splitlines():
@@ -196,7 +197,7 @@ def _build_mesh(s: Session) -> None:
     s.mesh = mesh.build_mesh(layout, node_of_rank, s.device.type)
     if s.heartbeat is not None:
         s.heartbeat.set_facts(coords=s.mesh.coords)
-    axes = ("world", *mesh.AXES, *(("cp",) if layout.cp > 1 else ()))  # cp: its groups are made here, collectively
+    axes = ("world", *layout.axes)  # cp: its groups are made here, collectively; HSDP's two levels of dp
     checks = mesh.check_groups(s.mesh, s.rank, s.device, axes)
     s.summary["checks"] = checks
     if not checks["ok"]:

@@ -102,14 +102,14 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     if tp > 1:
         keys = list(model.layers)
         recomputed = [keys[i] for i in recompute.recomputed_blocks(len(keys), cfg.train.ac, cfg.train.ac_every)]
-        tensor.apply_tp(model, mesh.device_mesh["tp"], cfg.parallel.sequence_parallel, loss_parallel, recomputed)
+        tensor.apply_tp(model, mesh.sub("tp"), cfg.parallel.sequence_parallel, loss_parallel, recomputed)
     cp = plan.layout.cp
     if cp > 1:
         context.apply_cp(model, mesh.group("cp"), mesh.members("cp", mesh.rank))
     recompute.apply_ac(model, cfg.train.ac, cfg.train.ac_every)
     parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     if zero in (2, 3):
-        data.apply_fsdp(model, mesh.device_mesh["dp"], zero, low, torch_dtype(cfg.train.reduce_dtype), parts or None,
+        data.apply_fsdp(model, mesh.sub("fsdp"), zero, low, torch_dtype(cfg.train.reduce_dtype), parts or None,
                         stages.pp if stages else 1, offload=offload)
     unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill,
                            torch.device("cpu") if offload else None)

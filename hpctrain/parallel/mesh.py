@@ -6,8 +6,11 @@ so with Slurm's block placement a tp group is a run of neighbouring ranks on one
 groups stride across nodes (InfiniBand). Context parallel (cp > 1) splits each dp group: the dp ranks hold the same
 parameters and average their gradients (Megatron's data x context group), and each run of cp neighbouring dp
 ranks (cp_rank = dp_rank % cp) reads the same sequences, each its share of every sequence: so a cp group sits
-next to the tp groups, inside a node while cp x tp fits in one. The arithmetic needs no processes; `build_mesh`
-needs an initialised torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp"); the node mesh
+next to the tp groups, inside a node while cp x tp fits in one. HSDP (replicate > 1) splits the dp group the
+other way: R replicas of dp / R neighbouring dp ranks (the shard group: FSDP's shards, inside a node or a few
+nodes), the replicate group striding across them (the gradients' all-reduce). The arithmetic needs no processes;
+`build_mesh` needs an initialised torch.distributed and creates a DeviceMesh with axes ("pp", "dp", "tp") (dp as
+("dp_replicate", "dp_shard") under HSDP, flattened into one dp mesh beside it); the node mesh
 ("inter", "intra") and the cp groups are built when something first asks for one of their groups (the benchmark
 does for the node mesh; the model's build for cp).
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 AXES = ("pp", "dp", "tp")
+HSDP_AXES = ("dp_replicate", "dp_shard")  # dp's two levels under HSDP (parallel.dp_replicate > 1)
 NODE_AXES = ("inter", "intra")  # inter: same local rank on every node; intra: all ranks of one node
 
 
@@ -26,6 +30,7 @@ class Layout:
     dp: int  # ranks that share parameters and gradients: data-parallel replicas x cp
     tp: int
     cp: int = 1  # context parallel: dp ranks that read the same sequences, each a share of them
+    replicate: int = 1  # HSDP: replicas of the model's shards within dp (dp / replicate ranks shard it)
 
     @property
     def world_size(self) -> int:
@@ -36,16 +41,24 @@ class Layout:
         """Data-parallel replicas: groups of ranks that read different sequences (dp / cp)."""
         return self.dp // self.cp
 
+    @property
+    def shard(self) -> int:
+        """The ranks of one replica that shard the parameters (FSDP's shard group): dp / replicate."""
+        return self.dp // self.replicate
+
     def size(self, axis: str) -> int:
-        return getattr(self, axis)
+        return {"dp_shard": self.shard, "dp_replicate": self.replicate}.get(axis) or getattr(self, axis)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """rank -> {"pp": i, "dp": j, "tp": k}; with cp > 1 also "cp" (j % cp) and "data" (j // cp)."""
+        """rank -> {"pp": i, "dp": j, "tp": k}; with cp > 1 also "cp" (j % cp) and "data" (j // cp); with replicate
+        > 1 also "dp_replicate" (j // shard) and "dp_shard" (j % shard)."""
         pp_rank, rest = divmod(rank, self.dp * self.tp)
         dp_rank, tp_rank = divmod(rest, self.tp)
         out = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
         if self.cp > 1:
             out |= {"data": dp_rank // self.cp, "cp": dp_rank % self.cp}
+        if self.replicate > 1:
+            out |= {"dp_replicate": dp_rank // self.shard, "dp_shard": dp_rank % self.shard}
         return out
 
     def rank(self, pp: int, dp: int, tp: int, **_derived: int) -> int:
@@ -58,6 +71,12 @@ class Layout:
         if axis == "cp":
             first = self.rank(c["pp"], c["dp"] - c["dp"] % self.cp, c["tp"])
             return [first + i * self.tp for i in range(self.cp)]
+        if axis == "dp_shard":
+            first = self.rank(c["pp"], c["dp"] - c["dp"] % self.shard, c["tp"])
+            return [first + i * self.tp for i in range(self.shard)]
+        if axis == "dp_replicate":
+            first = self.rank(c["pp"], c["dp"] % self.shard, c["tp"])
+            return [first + i * self.shard * self.tp for i in range(self.replicate)]
         members = []
         for i in range(self.size(axis)):
             c[axis] = i
@@ -72,19 +91,33 @@ class Layout:
             seen.setdefault(g[0], g)
         return [seen[k] for k in sorted(seen)]
 
-    def grid(self) -> list[list[list[int]]]:
-        """grid[pp][dp][tp] = rank, the argument DeviceMesh wants."""
+    def grid(self) -> list:
+        """grid[pp][dp][tp] = rank, the argument DeviceMesh wants; with replicate > 1
+        grid[pp][dp_replicate][dp_shard][tp] (mesh_axes)."""
+        if self.replicate > 1:
+            return [[[[self.rank(p, r * self.shard + d, t) for t in range(self.tp)] for d in range(self.shard)]
+                     for r in range(self.replicate)] for p in range(self.pp)]
         return [[[self.rank(p, d, t) for t in range(self.tp)] for d in range(self.dp)] for p in range(self.pp)]
 
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The DeviceMesh's axes: AXES, with dp as (dp_replicate, dp_shard) under HSDP."""
+        return AXES if self.replicate == 1 else ("pp", *HSDP_AXES, "tp")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every group axis of the layout: AXES, and cp and the HSDP axes where they exist (checked at start)."""
+        return AXES + (("cp",) if self.cp > 1 else ()) + (HSDP_AXES if self.replicate > 1 else ())
+
     def __str__(self) -> str:
-        if self.cp > 1:  # dp as the user gives it: replicas of the data, cp apart
-            return f"pp={self.pp} dp={self.data} cp={self.cp} tp={self.tp}"
-        return f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        out = f"pp={self.pp} dp={self.data} cp={self.cp} tp={self.tp}" if self.cp > 1 else \
+            f"pp={self.pp} dp={self.dp} tp={self.tp}"  # dp as the user gives it: replicas of the data, cp apart
+        return out + (f" (hsdp: {self.replicate} replicas x {self.shard} shards)" if self.replicate > 1 else "")
 
 
-def resolve_layout(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> Layout:
+def resolve_layout(pp: int, dp: int, tp: int, world_size: int, cp: int = 1, replicate: int = 1) -> Layout:
     """Fills in dp = -1 and checks pp * dp * cp * tp == world_size; dp counts data-parallel replicas (the
-    Layout's dp is dp x cp: the ranks that share gradients)."""
+    Layout's dp is dp x cp: the ranks that share gradients); replicate (HSDP) must divide dp."""
     if dp == -1:
         if world_size % (pp * cp * tp):
             named = f"pp({pp}) * cp({cp}) * tp({tp})" if cp > 1 else f"pp({pp}) * tp({tp})"
@@ -94,7 +127,10 @@ def resolve_layout(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> L
     if pp * dp * cp * tp != world_size:
         named = f"pp({pp}) * dp({dp}) * cp({cp}) * tp({tp})" if cp > 1 else f"pp({pp}) * dp({dp}) * tp({tp})"
         raise ValueError(f"{named} = {pp * dp * cp * tp} != world size {world_size}")
-    return Layout(pp, dp * cp, tp, cp)
+    if dp % replicate:
+        raise ValueError(f"parallel.dp_replicate = {replicate} does not divide dp = {dp}: HSDP splits the "
+                         f"data-parallel ranks into {replicate} replicas of equal shard groups")
+    return Layout(pp, dp * cp, tp, cp, replicate)
 
 
 def block_placement(nodes: int, tasks_per_node: int) -> list[int]:
@@ -143,7 +179,7 @@ def rank_table(layout: Layout, node_of_rank: Sequence[int], node_names: Sequence
             "local_rank": local_ranks[r] if local_ranks else per_node[n].index(r),
         }
         row.update(layout.coords(r))
-        for axis in AXES + (("cp",) if layout.cp > 1 else ()):
+        for axis in layout.axes:
             row[f"{axis}_group"] = layout.group(r, axis)
         rows.append(row)
     return rows
@@ -159,6 +195,9 @@ def format_rank_map(layout: Layout, rows: Sequence[dict[str, Any]]) -> str:
         head += "; cp next to tp (a cp group reads the same sequences; dp_group: the ranks sharing gradients)"
     coords, axes = ("pp", "dp", "cp", "tp") if cp else ("pp", "dp", "tp"), ("tp", "cp", "dp", "pp") if cp else (
         "tp", "dp", "pp")
+    if layout.replicate > 1:  # HSDP: the shard group (FSDP's) and the replica group (the gradients' all-reduce)
+        head += "; hsdp: parameters sharded over dp_shard_group, its replicas across dp_replicate_group"
+        axes = (*axes[:-1], "dp_shard", "dp_replicate", "pp")
     cols = ["rank", "node", "local", *coords, *(f"{a}_group" for a in axes)]
     cells = [[str(row["rank"]), str(row["node"]), str(row["local_rank"]),
               *(str(row["data"] if a == "dp" and cp else row[a]) for a in coords)]
@@ -172,12 +211,22 @@ def format_rank_map(layout: Layout, rows: Sequence[dict[str, Any]]) -> str:
 class Mesh:
     """Process groups of a running job. Pass it (or one of its groups) to whatever communicates."""
     layout: Layout
-    device_mesh: Any  # torch DeviceMesh, axes ("pp", "dp", "tp")
+    device_mesh: Any  # torch DeviceMesh, axes Layout.mesh_axes: ("pp", "dp", "tp"), dp in two under HSDP
     node_of_rank: Sequence[int] = ()
     node_mesh: Any = None  # torch DeviceMesh, axes ("inter", "intra"): built by the first request for its groups
     node_checks: dict[str, Any] | None = None  # check_groups of the node axes, once built
     rank: int = 0  # this process's rank (global)
     cp_group: Any = None  # built by the first request for it (Mesh.group("cp"))
+    dp_mesh: Any = None  # under HSDP: dp_replicate x dp_shard flattened into one 1-D mesh (kept: torch wants it kept)
+
+    def sub(self, axis: str):
+        """The 1-D DeviceMesh of axis "tp" or "dp", or "fsdp": the mesh FSDP shards over (dp, or under HSDP the 2-D
+        (dp_replicate, dp_shard) mesh: reduce-scatter over the shard group, all-reduce over the replicas)."""
+        if axis == "fsdp":
+            return self.device_mesh[HSDP_AXES] if self.layout.replicate > 1 else self.device_mesh["dp"]
+        if axis == "dp" and self.dp_mesh is not None:
+            return self.dp_mesh
+        return self.device_mesh[axis]
 
     @property
     def coords(self) -> dict[str, int]:
@@ -200,25 +249,27 @@ class Mesh:
         import torch.distributed as dist
         if axis == "world":
             return dist.group.WORLD
-        if axis in AXES:
+        if axis == "dp" and self.dp_mesh is not None:
+            return self.dp_mesh.get_group()
+        if axis in self.layout.mesh_axes:
             return self.device_mesh.get_group(axis)
         if axis == "cp":
             return self._cp_group()
         if axis in NODE_AXES:
             return self._node_mesh().get_group(axis)
-        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
+        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(self.layout.axes + NODE_AXES)}")
 
     def members(self, axis: str, rank: int) -> list[int]:
         """The ranks of `rank`'s group along axis, from the arithmetic alone (no group is built)."""
         if axis == "world":
             return list(range(self.layout.world_size))
-        if axis in AXES or axis == "cp":
+        if axis in self.layout.axes:
             return self.layout.group(rank, axis)
         if axis in NODE_AXES:
             per_node = node_members(self.node_of_rank)
             mine = per_node[self.node_of_rank[rank]]
             return mine if axis == "intra" else [ranks[mine.index(rank)] for ranks in per_node]
-        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(AXES + NODE_AXES)}")
+        raise ValueError(f"unknown axis {axis!r}; valid: world, {', '.join(self.layout.axes + NODE_AXES)}")
 
     @property
     def data_rank(self) -> int:
@@ -265,8 +316,9 @@ def build_mesh(layout: Layout, node_of_rank: Sequence[int], device_type: str) ->
     # no backend argument: every axis inherits the default group's backends (NCCL jobs: "cpu:gloo,cuda:nccl"), its
     # gloo connecting a pair on their first message (rendezvous.lazy_gloo): an axis whose collectives all run on the
     # device holds no gloo connection, and no call site can hand an axis a host tensor it cannot serve
-    device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=AXES)
-    return Mesh(layout, device_mesh, list(node_of_rank), rank=dist.get_rank())
+    device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid()), mesh_dim_names=layout.mesh_axes)
+    dp_mesh = device_mesh[HSDP_AXES]._flatten("dp") if layout.replicate > 1 else None
+    return Mesh(layout, device_mesh, list(node_of_rank), rank=dist.get_rank(), dp_mesh=dp_mesh)
 
 
 def verify_mesh(mesh: Mesh, rank: int, device: Any, axes: Sequence[str] = ("world",) + AXES

@@ -43,7 +43,7 @@ def make_plan(cfg: Config, node_of_rank: Sequence[int], training: bool | None = 
     training=None: with the training part when cfg.train.steps > 0 (the login node); a session makes the layout
     part (training=False) and its trainer adds the rest (with_training), for the config it trains."""
     p = cfg.parallel
-    layout = mesh.resolve_layout(p.pp, p.dp, p.tp, len(node_of_rank), p.cp)
+    layout = mesh.resolve_layout(p.pp, p.dp, p.tp, len(node_of_rank), p.cp, p.dp_replicate)
     mesh.check_topology(layout, node_of_rank)
     plan = Plan(layout, tuple(node_of_rank))
     return with_training(plan, cfg) if (bool(cfg.train.steps) if training is None else training) else plan

@@ -16,6 +16,7 @@ What each rank holds (P: the parameters of its pipeline stages, each cut by tens
 - AdamW (exp_avg, exp_avg_sq): twice the masters' local elements in fp32 (FSDP: the unpadded shard); ZeRO-1
   only for the parameters ZeroRedundancyOptimizer gives the rank: whole tensors, largest first, each to the rank
   with the fewest elements so far (its greedy partition, per parameter group: matrices, then 1-D parameters).
+- HSDP (parallel.dp_replicate = R): FSDP's N is the shard group, dp / R; each replica holds the same shards.
 Autocast's cached low-precision weight copies, activations and buffers are not model states (activations.py).
 """
 from __future__ import annotations
@@ -81,11 +82,12 @@ def zero1_partition(shapes: dict[str, tuple[int, ...]], n: int) -> list[int]:
 
 
 def fsdp_shards(plan: Plan, coords: Coords) -> tuple[int, int]:
-    """Elements of the rank's FSDP shards: (padded, the rows it really holds)."""
-    tp, n = plan.layout.tp, plan.layout.dp
+    """Elements of the rank's FSDP shards: (padded, the rows it really holds). FSDP shards over the dp group, or
+    under HSDP over its shard group (dp / dp_replicate neighbouring dp ranks)."""
+    tp, n = plan.layout.tp, plan.layout.shard
     local = {k: tp_local(k, s, tp) for k, s in stage_shapes(plan, coords.pp).items()}
-    return (sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values()),
-            sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values()))
+    return (sum(dim0_shard(s, n, coords.dp % n, padded=True) for s in local.values()),
+            sum(dim0_shard(s, n, coords.dp % n, padded=False) for s in local.values()))
 
 
 def host_states(plan: Plan, coords: Coords, zero_stage: int, offload: str) -> int:
@@ -120,8 +122,8 @@ def model_states(plan: Plan, zero_stage: int, precision: str, coords: Coords, of
     if zero in (-1, 0, 1):
         optimizer = 8 * (zero1_partition(local, n)[coords.dp] if zero == 1 else whole)
         return {"params": 4 * whole, "grads": 4 * whole, "optimizer": 0 if offload == "optimizer" else optimizer}
-    padded = sum(dim0_shard(s, n, coords.dp, padded=True) for s in local.values())
-    held = sum(dim0_shard(s, n, coords.dp, padded=False) for s in local.values())
+    padded, held = fsdp_shards(plan, coords)
+    n = plan.layout.shard  # FSDP's shard group (dp, or dp / dp_replicate under HSDP)
     gathered = zero == 2 or plan.stages is not None  # parameters stay whole (padded rows too) through the step
     whole = LOW.get(precision, 4) * padded * n if gathered else 0
     if offload == "all":

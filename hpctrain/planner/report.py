@@ -83,6 +83,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            zero_stage=2 if p.zero_stage == 3 and lay.pp > 1 else p.zero_stage,
                            accumulate_unsharded=True, zero1_broadcast=True,
                            offload=p.offload if hw.name != CPU else "none",  # on a CPU the host is the device
+                           dp_replicate=p.dp_replicate,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, efficiency=hw.efficiency,
                            tp_projections="fused" if plan.dims.fused_projections else "separate",
@@ -148,7 +149,8 @@ def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float 
                      f"job before its save commits; raise job.signal_delay_s or save less (ZeRO does not shrink it)")
     return {
         "gpu": hw.name, "layout": {"pp": plan.layout.pp, "dp": plan.layout.data, "tp": plan.layout.tp,
-                                          "cp": plan.layout.cp, "zero_stage": cfg.parallel.zero_stage},
+                                          "cp": plan.layout.cp, "zero_stage": cfg.parallel.zero_stage} | (
+            {"dp_replicate": plan.layout.replicate} if plan.layout.replicate > 1 else {}),
         "world_size": cfg.world_size, "num_params": plan.dims.num_params(),
         "micro_batch": plan.micro_batch, "global_batch": plan.global_batch, "precision": cfg.train.precision,
         "memory_gib_per_gpu": total / GIB, "model_states_gib": {k: v / GIB for k, v in states.items()},
@@ -168,6 +170,7 @@ def describe(out: dict[str, Any]) -> str:
     lay, st, ck = out["layout"], out["model_states_gib"], out["checkpoint"]
     device = "ranks (one host)" if out["gpu"] == "cpu" else "GPUs"  # a CPU calibration's name
     cp = f" cp={lay['cp']}" if lay.get("cp", 1) > 1 else ""
+    cp += f" (hsdp: {lay['dp_replicate']} replicas)" if lay.get("dp_replicate", 1) > 1 else ""
     lines = [f"layout pp={lay['pp']} dp={lay['dp']}{cp} tp={lay['tp']} zero {lay['zero_stage']} on {out['world_size']} "
              f"{out['gpu']} {device}; {out['num_params'] / 1e9:.3f} B parameters, {out['precision']}, global batch "
              f"{out['global_batch']} (micro {out['micro_batch']})",

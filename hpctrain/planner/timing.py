@@ -37,6 +37,9 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   and Megatron's): tp innermost in a node, then dp, then pp. A dp group with k = gpus_per_node / t ranks per node
   that spans nodes runs at min(NVLink, k x NIC) (its k ranks use k NICs; NCCL runs one ring per NIC), else on
   NVLink.
+  HSDP (dp_replicate R): FSDP's traffic in the shard group of N / R ranks, plus each rank's gradient shard
+  (P / (N / R)) all-reduced over its R replicas once per step (2 (R-1)/R of it), on a NIC once the dp group spans
+  nodes (the replicas of a node's shard groups share its NICs).
   With dp_overlap the collectives hide behind compute (ZeRO-0-2: one micro-batch's, ZeRO-3: every micro-batch's)
   except the last block's share (a bucket cannot start before its gradients exist).
 - pipeline point-to-point: per micro-batch and virtual stage one send forward and one backward of b s d / t bytes
@@ -190,7 +193,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, accumulate_unsharded: bool = False,
-             zero1_broadcast: bool = False, cp: int = 1, offload: str = "none") -> TimeEstimate:
+             zero1_broadcast: bool = False, cp: int = 1, offload: str = "none", dp_replicate: int = 1
+             ) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
@@ -199,7 +203,9 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather.
     cp: context parallel (dp counts the data replicas; gradients are reduced over dp x cp). offload: "all", FSDP's
     CPU offload (ZeRO-2/3 shards in host memory, gradients reduce-scattered every micro-batch); "optimizer", AdamW
-    on the host (gradients down and parameters up once per step)."""
+    on the host (gradients down and parameters up once per step). dp_replicate: HSDP's replicas (ZeRO-2/3): FSDP's
+    traffic in a shard group of dp x cp / dp_replicate ranks, and the gradient shards all-reduced across the
+    replicas."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -208,6 +214,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         raise ValueError(f"reduce_dtype = {reduce_dtype!r}: expected fp32 or bf16")
     if min(seq_len, global_batch, micro_batch, tp, pp, dp, cp, virtual_stages) < 1 or zero_stage not in (0, 1, 2, 3):
         raise ValueError("seq_len, batches, tp, pp, dp, cp and virtual_stages must be >= 1, zero_stage 0-3")
+    if dp_replicate < 1 or (dp * cp) % dp_replicate or (dp_replicate > 1 and zero_stage not in (2, 3)):
+        raise ValueError(f"dp_replicate = {dp_replicate} must divide dp x cp = {dp * cp}, with zero_stage 2 or 3")
     if global_batch % (dp * micro_batch):
         raise ValueError(f"global batch {global_batch} is not a multiple of dp x micro batch = {dp * micro_batch}")
     eff = EFFICIENCY if efficiency is None else efficiency
@@ -252,12 +260,20 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         ring_exposed = blocks * m * (repeats * max(0.0, fwd - attention) + bwd)
 
     per_node = max(1, gpn // tp)  # dp ranks of one group per node
-    dp = dp * cp  # gradients and ZeRO's shards: over the data replicas and their cp ranks
+    whole_dp = dp * cp  # gradients: over the data replicas and their cp ranks
+    dp = whole_dp // dp_replicate  # ZeRO's shards: over that group, or HSDP's shard group within it
     dp_link = intra if dp <= per_node else min(intra, per_node * inter)
     p_rank = shape.params() / (tp * pp)
     reduce_b = REDUCE_BYTES[reduce_dtype]
+    replicate_comm = 0.0
+    if dp_replicate > 1:  # each rank's gradient shard all-reduced over the replicas (one rank per replica): per
+        # step, or per micro-batch where offload reduces every micro-batch; the replicas of a node's shard groups
+        # share its NICs (k of a replica group's ranks per node)
+        k = max(1, per_node // dp)
+        rep_link = intra if whole_dp <= per_node else min(intra, k * inter)
+        replicate_comm = (m if offload == "all" else 1) * 2 * ring(dp_replicate) * p_rank / dp * reduce_b / rep_link
     if dp == 1:
-        dp_comm = 0.0
+        dp_comm = replicate_comm
     elif zero_stage == 0:
         dp_comm = 2 * ring(dp) * p_rank * reduce_b / dp_link
     elif zero_stage == 1 and zero1_broadcast:
@@ -267,6 +283,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     else:
         once = accumulate_unsharded and offload != "all"
         dp_comm = ring(dp) * p_rank * (2 * m * act + (1 if once else m) * reduce_b) / dp_link
+    if dp > 1:
+        dp_comm += replicate_comm
     hideable = compute if zero_stage == 3 else compute / m
     dp_exposed = max(dp_comm / blocks, dp_comm - hideable) if dp_overlap else dp_comm
 
@@ -308,13 +326,14 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     model_flops = flops_per_token(shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads,
                                   shape.vocab, seq_len, shape.mlp)
     hw_flops = hardware_flops_per_token(shape, seq_len, recompute, ac_every)
-    gpus = tp * pp * dp
+    gpus = tp * pp * whole_dp
     job_tokens = global_batch * seq_len / step
     model_tflops = model_flops * job_tokens / gpus / 1e12
     hw_tflops = hw_flops * job_tokens / gpus / 1e12
     dense = hw.peak(MATMUL_DTYPE[precision])
     terms = {"compute_s": compute, "pp_bubble_s": bubble, "tp_comm_s": tp_exposed, "tp_comm_total_s": tp_comm,
-             "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "p2p_s": p2p, "cp_comm_s": ring_exposed,
+             "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "dp_replicate_comm_total_s": replicate_comm,
+             "p2p_s": p2p, "cp_comm_s": ring_exposed,
              "cp_comm_total_s": ring_comm, "offload_s": offload_exposed, "offload_total_s": offload_comm,
              "host_s": host}
     basis = {"microbatches": m, "blocks_on_busiest_stage": blocks, "efficiency": eff, "tp_link_gbps": tp_link / 1e9,

@@ -65,6 +65,11 @@ def fsdp_reshard(modules) -> dict[str, bool]:
     return {name: g._reshard_after_forward for name, g in fsdp_groups(modules).items()}
 
 
+def fsdp_meshes(modules) -> dict[str, tuple[int, ...]]:
+    """The shape of the mesh each FSDP module shards over: (dp,) for FSDP, (replicas, shards) for HSDP."""
+    return {name: tuple(g.mesh_info.mesh.shape) for name, g in fsdp_groups(modules).items()}
+
+
 def fsdp_offload(modules) -> dict[str, bool]:
     """Whether each FSDP module keeps its shards in host memory (CPUOffloadPolicy: parallel.offload = "all")."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -139,6 +144,7 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
                         "weights": weights, "fsdp": fsdp_reshard([tr.model, *tr.pm.parts]), "gathers": gathers[0],
                         "outputs_kept": int(kept), "recv_buffers": int(held),
                         "offload": fsdp_offload([tr.model, *tr.pm.parts]),
+                        "fsdp_mesh": fsdp_meshes([tr.model, *tr.pm.parts]),
                         # parallel.offload = "optimizer": AdamW's masters and state in host memory
                         "host_optimizer": type(tr.optimizer).__name__ == "HostAdamW" and all(
                             m.device.type == "cpu" for m in getattr(tr.optimizer, "params_of", {})),

@@ -77,6 +77,12 @@ def _cases(out: Path) -> list[dict]:
                                       "checkpoint.at_end=false"]},
         {"name": "cp_back", "overrides": LAYOUT + ["train.steps=8", f"train.resume={out / 'ckC' / 'step_00000006'}",
                                                    ck("ckC2"), "checkpoint.at_end=false"]},
+        # HSDP: 2 replicas of 2 ZeRO-3 shards go on from the FSDP checkpoint of step 4 and save at 6; back again
+        {"name": "hsdp", "overrides": ["parallel.zero_stage=3", "parallel.dp_replicate=2", "train.micro_batch_size=2",
+                                       "train.steps=8", f"train.resume={step4}", "checkpoint.every_steps=2",
+                                       ck("ckS"), "checkpoint.at_end=false"]},
+        {"name": "hsdp_back", "overrides": LAYOUT + ["train.steps=8", ck("ckS2"), "checkpoint.at_end=false",
+                                                     f"train.resume={out / 'ckS' / 'step_00000006'}"]},
         # CPU offload: dp4 ZeRO-3 with its shards in host memory goes on from step 4 and saves at 6; back again
         {"name": "offload", "overrides": ["parallel.zero_stage=3", "parallel.offload=all", "train.micro_batch_size=2",
                                           "train.steps=8", f"train.resume={step4}", "checkpoint.every_steps=2",
@@ -185,6 +191,16 @@ def test_context_parallel_resumes_any_layout(runs) -> None:
     without: cp holds no state of its own."""
     _continues_from_step4(runs["cp2"], runs["full"])
     _continues_from_step4(runs["cp_back"], runs["full"], step=6)
+
+
+def test_hsdp_checkpoints_reshard(runs) -> None:
+    """parallel.dp_replicate = 2 (HSDP) goes on from a plain FSDP checkpoint, and one it writes (each shard once,
+    the replicas' copies not twice) goes on under FSDP with tp."""
+    _continues_from_step4(runs["hsdp"], runs["full"])
+    _continues_from_step4(runs["hsdp_back"], runs["full"], step=6)
+    # each shard saved once: the size of plain ZeRO-3's step-6 checkpoint (offload's), not the replicas' twice
+    size = lambda d: sum(f.stat().st_size for f in (runs["out"] / d / "step_00000006").rglob("*"))  # noqa: E731
+    assert size("ckS") == pytest.approx(size("ckO"), rel=0.02)
 
 
 def test_cpu_offload_checkpoints_reshard(runs) -> None:

@@ -96,6 +96,12 @@ FOUR = [
                                                         "train.micro_batch_size=1"]},
     {"name": "tp2dp2_zero3_host_adamw", "overrides": ["parallel.tp=2", "parallel.zero_stage=3",
                                                       "parallel.offload=optimizer", "train.micro_batch_size=4"]},
+    # HSDP: 2 replicas of 2 shards (reduce-scatter in the shard pair, all-reduce across the replicas), with
+    # accumulation under ZeRO-2
+    {"name": "dp4_zero3_hsdp2", "overrides": ["parallel.zero_stage=3", "parallel.dp_replicate=2",
+                                              "train.micro_batch_size=2"]},
+    {"name": "dp4_zero2_hsdp2_accum2", "overrides": ["parallel.zero_stage=2", "parallel.dp_replicate=2",
+                                                     "train.micro_batch_size=1", "train.grad_accum=2"]},
     {"name": "tp2dp2_zero1_sp_fused", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                     "parallel.zero_stage=1", "train.micro_batch_size=2",
                                                     "train.grad_accum=2", FUSED]},
@@ -183,6 +189,15 @@ def test_context_parallel_matches_single_process(results, case) -> None:
     over the whole sequences) trains what one process trains, alone and with tp + sequence parallel, dp ZeRO-3, a
     pipeline and selective recompute."""
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+
+
+@pytest.mark.parametrize("case", ["dp4_zero3_hsdp2", "dp4_zero2_hsdp2_accum2"])
+def test_hsdp_matches_single_process(results, case) -> None:
+    """parallel.dp_replicate = 2 on dp 4: every FSDP module shards over a (2 replicas, 2 shards) mesh and trains
+    what one process trains (and so what plain ZeRO-2/3 over dp 4 trains)."""
+    compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results[case]["fsdp_mesh"] and set(results[case]["fsdp_mesh"].values()) == {(2, 2)}
+    assert set(results["dp2_zero3"]["fsdp_mesh"].values()) == {(2,)}
 
 
 @pytest.mark.parametrize("case", ["ref_offload", "dp2_zero3_offload", "tp2dp2_zero2_offload", "pp2dp2_zero2_offload"])

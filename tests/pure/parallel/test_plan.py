@@ -127,4 +127,5 @@ def test_session_and_trainer_check_once(monkeypatch, tmp_path) -> None:
     assert calls == {"resolve_layout": 1, "check_topology": 1, "_check_supported": 1, "_batch_plan": 1,
                      "from_config": 1}
     marker = json.loads((tmp_path / "ck" / "step_00000001" / "COMMITTED").read_text())
-    assert marker["layout"] == {"pp": 1, "dp": 1, "tp": 1, "cp": 1, "zero_stage": cfg.parallel.zero_stage}
+    assert marker["layout"] == {"pp": 1, "dp": 1, "tp": 1, "cp": 1, "replicate": 1,
+                                "zero_stage": cfg.parallel.zero_stage}
