@@ -5,7 +5,8 @@ in the background, one save in flight, committed as soon as every rank has writt
 
     with Checkpointer(cfg, layout, run_dir, rank, device, saved) as ckpt:  # collective: takes the directory lock
         start = ckpt.load()                   # the step resumed from, or None (a fresh start)
-        ...after every step: ckpt.maybe_save(step, force=preempted)        # collective
+        ...after every step: ckpt.maybe_save(step, force=preempted, requests=agreed)  # collective without agreed
+        ckpt.local_requests()                 # this rank's (save_now, writing) for the trainer's step agreement
         ckpt.maybe_save(step, final=True)     # the end of training (checkpoint.at_end)
 
 Leaving the block normally waits for a save in flight and commits it; leaving it on an error abandons it
@@ -132,21 +133,29 @@ class Checkpointer:
         except NoSpace as e:
             log.warning("periodic checkpoint skipped: %s", e)
 
-    def _requests(self) -> tuple[bool, bool]:
-        """(save_now, writing): whether SAVE_NOW appeared (rank 0 looks, and removes it) and whether any rank's
-        background save is still writing. Collective: one all-reduce, on the device (NCCL on GPUs)."""
+    def local_requests(self) -> tuple[bool, bool]:
+        """This rank's (save_now, writing): whether SAVE_NOW appeared (rank 0 looks, and removes it) and whether its
+        background save is still writing. Every rank's are combined by the caller's agreement (or _requests)."""
         marker = self.run_dir / SAVE_NOW
         asked = self.rank == 0 and marker.exists()
         if asked:
             marker.unlink()
-        t = torch.tensor([float(asked), float(self.mgr.unfinished())], device=self.device)
+        return asked, self.mgr.unfinished()
+
+    def _requests(self) -> tuple[bool, bool]:
+        """(save_now, writing) of any rank, agreed now. Collective: one all-reduce, on the device (NCCL on GPUs),
+        read at once (the host waits for the device)."""
+        t = torch.tensor([float(f) for f in self.local_requests()], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         save_now, writing = t.tolist()
         return save_now > 0, writing > 0
 
-    def maybe_save(self, step: int, force: bool = False, final: bool = False) -> bool:
-        """Called by every rank after every step (collective); True when it saved.
+    def maybe_save(self, step: int, force: bool = False, final: bool = False,
+                   requests: tuple[bool, bool] | None = None) -> bool:
+        """Called by every rank after every step (collective); True when it saved. requests: (save_now, writing)
+        as every rank agreed on them (the trainer's StepAgreement, a step late: the background save's commit and
+        a SAVE_NOW wait one step more); None: agreed here (one all-reduce the host waits for).
         force (a preemption): waits for the save in flight, then saves now, synchronously.
         final (the end of training): the same, if checkpoint.at_end and the run stepped since its start.
         Otherwise: commits a background save once every rank has written it; saves every checkpoint.every_steps
@@ -171,7 +180,7 @@ class Checkpointer:
                             "(skipped)", step, step - streak, streak)
             self._save(step)
             return True
-        save_now, writing = self._requests()
+        save_now, writing = self._requests() if requests is None else requests
         if self.mgr.pending is not None and not writing:
             self.phase("checkpoint", "commit of a background save")
             self._wait()  # every rank's background write is done: commit now, not at the next save

@@ -91,10 +91,10 @@ def fsdp_shards(plan: Plan, coords: Coords) -> tuple[int, int]:
 
 
 def host_states(plan: Plan, coords: Coords, zero_stage: int, offload: str) -> int:
-    """Bytes in host memory on the rank at `coords` under parallel.offload: "all", its fp32 shards, their gradients,
-    AdamW's two moments and foreach AdamW's temporary while it steps (half the moments); "optimizer", the fp32
-    masters of what it steps (its shards under ZeRO-2/3, else its whole stage), the gradients' copy, the moments and
-    the temporary."""
+    """Bytes in host memory on the rank at `coords` under parallel.offload: "all", its fp32 shards, their gradients
+    and AdamW's two moments (fused AdamW steps them on the host: no temporary); "optimizer", the fp32 masters of what
+    it steps (its shards under ZeRO-2/3, else its whole stage), the gradients' copy, the moments and foreach AdamW's
+    temporary while it steps (HostAdamW: half the moments)."""
     if offload == "none":
         return 0
     n = plan.layout.dp
@@ -104,7 +104,7 @@ def host_states(plan: Plan, coords: Coords, zero_stage: int, offload: str) -> in
         held = sum(math.prod(tp_local(k, s, plan.layout.tp)) for k, s in stage_shapes(plan, coords.pp).items())
         padded = held
     if offload == "all":
-        return 4 * padded + 4 * padded + 8 * held + 4 * held
+        return 4 * padded + 4 * padded + 8 * held
     return 4 * held + 4 * held + 8 * held + 4 * held
 
 

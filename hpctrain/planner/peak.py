@@ -22,8 +22,8 @@ tests/multiproc/planner/test_planner_memory.py):
   existed yet, the first block's gradients if larger.
 - "sync": where gradients are all-reduced as one flat copy after the last backward (ZeRO-0/1 with tensor parallel
   or under pipeline parallel: parallel.data.allreduce_grads): masters, AdamW state, gradients, the copy.
-- "optimizer": foreach AdamW's step: masters, gradients, AdamW state and a temporary the size of what it steps
-  (the square root of exp_avg_sq: 4 bytes per element, half the AdamW state).
+- "optimizer": fused AdamW's step (train.optim.build_optimizer): masters, gradients and AdamW state; its kernel
+  keeps no temporary (foreach AdamW's held the square root of exp_avg_sq, half the AdamW state, beside them).
 Under pipeline parallel every moment also has the schedule's receive buffers: one for input activations (all stages
 but the first) and one for the gradients coming back (all but the last); hpctrain's stages make each when its
 receive is posted and drop it after its micro-batch's backward (parallel.pipeline: torch kept one of each per
@@ -138,7 +138,7 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
         later = max(later, 4 * block)
     moments = {
         "backward": masters + opt + gathered + early + acts + later + buffers,
-        "optimizer": masters + grads + opt + opt / 2 + buffers,
+        "optimizer": masters + grads + opt + buffers,
     }
     if zero in (0, 1) and (lay.tp > 1 or plan.stages is not None):
         moments["sync"] = masters + opt + 2 * grads + buffers

@@ -53,7 +53,7 @@ class ZeroOne(ZeroRedundancyOptimizer):
         self.params_of: dict[torch.Tensor, torch.Tensor] = {}
         shards = [[self._shard(p) for p in g["params"]] for g in groups]
         super().__init__(shards[0], optimizer_class=torch.optim.AdamW, process_group=process_group,
-                         weight_decay=groups[0]["weight_decay"], **kwargs)
+                         weight_decay=groups[0]["weight_decay"], fused=True, **kwargs)
         for g, held in zip(groups[1:], shards[1:]):
             self.add_param_group({"params": held, "weight_decay": g["weight_decay"]})
 
@@ -234,9 +234,9 @@ def build_optimizer(model: nn.Module, t: TrainConfig, lr: float, zero_group=None
     if host:
         pin = any(p.device.type == "cuda" for g in groups for p in g["params"])
         return HostAdamW(groups, pin, **kwargs)
-    # foreach: multi-tensor kernels that take DTensor shards (FSDP, TP) as they take plain tensors. Fused AdamW
-    # would let step_or_skip skip a non-finite step without a host sync; it is not used yet.
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    # fused: one kernel per dtype and device that takes DTensor shards (FSDP, TP) as plain tensors and takes
+    # found_inf, so step_or_skip skips a non-finite step on the device, without the host reading the norm
+    return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
 def step_or_skip(optimizer: torch.optim.Optimizer, norm: torch.Tensor, finite: bool,
@@ -244,14 +244,15 @@ def step_or_skip(optimizer: torch.optim.Optimizer, norm: torch.Tensor, finite: b
     """torchtitan's rule: never let a non-finite gradient reach the weights. Steps `optimizer` unless the gradients'
     norm is non-finite (or `finite` is False); returns whether the step was skipped.
 
-    An optimizer that takes found_inf (fused AdamW) decides on the device: its kernel leaves weights, moments
-    and step counts alone, and "skipped" stays a device tensor. The others (foreach AdamW, ZeRO-1's wrapper)
-    cannot skip on the device, so the host reads the norm's finiteness: one host sync per step, which
-    build_optimizer building fused AdamW on CUDA would remove. With fp16 (`loss_scaled`) the scaler has read its
+    An optimizer that takes found_inf (build_optimizer's fused AdamW, and ZeRO-1's, whose inner AdamW is fused)
+    decides on the device: its kernel leaves weights, moments and step counts alone, and "skipped" stays a device
+    tensor. The others (the host's AdamW of parallel.offload = "optimizer", whose step waits for the gradients
+    anyway) cannot, so the host reads the norm's finiteness. With fp16 (`loss_scaled`) the scaler has read its
     overflow flag already (finite)."""
-    if finite and getattr(optimizer, "_step_supports_amp_scaling", False) and not loss_scaled:
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroOne steps its inner AdamW
+    if finite and getattr(inner, "_step_supports_amp_scaling", False) and not loss_scaled:
         found_inf = (~torch.isfinite(norm)).float()
-        optimizer.found_inf = found_inf
+        inner.found_inf = found_inf
         optimizer.step()
         return found_inf.bool()
     skipped = not (finite and bool(torch.isfinite(norm)))  # the documented host sync

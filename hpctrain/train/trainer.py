@@ -30,7 +30,7 @@ from hpctrain.hang.heartbeat import Heartbeat
 from hpctrain.job import session
 from hpctrain.parallel import compose, context, pipeline
 from hpctrain.parallel.plan import with_training
-from hpctrain.train import evaluate, metrics, optim, resume, summary
+from hpctrain.train import agreement, evaluate, metrics, optim, resume, summary
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ class Trainer:
                 preempted = self.s.preempt.poll(self.device)
                 self.sync_steps = False  # the host reads the device on log steps only
                 start, committed = self.step, None
+                agree = agreement.StepAgreement(self.device)  # preemption and checkpoint requests, read a step late
                 while self.step < t.steps and not preempted:
                     row = self.train_step()
                     logged = self.log_step(self.step)
@@ -263,14 +264,25 @@ class Trainer:
                         on_step(row)
                     if logged or self.nonfinite.on_host():  # no wait for the device: it was read for the log
                         self.nonfinite.check(self.step)
-                    self.hb.enter("collective", "preemption poll on the world")
-                    preempted = self.s.preempt.poll(self.device)
+                    self.hb.enter("collective", "the ranks' flags of the step before (preemption, checkpoints)")
+                    flags = agree.receive()  # sent after the previous step: waits for the stream up to there only
+                    preempted = flags.preempt
                     if self.evaluator is not None and not preempted and self.evaluator.due(self.step, t.steps):
                         self.hb.enter("eval")
                         tlog.eval(self.evaluate())
                     self.hb.enter("collective", "checkpoint requests on the world")
-                    if ckpt.maybe_save(self.step, force=preempted) and preempted:
+                    if ckpt.maybe_save(self.step, force=preempted, requests=(flags.save_now, flags.writing)) \
+                            and preempted:
                         committed = self.step
+                    if not preempted:
+                        self.hb.enter("collective", "the ranks' flags of this step (preemption, checkpoints)")
+                        agree.send(self.step, (self.s.preempt.received is not None, *ckpt.local_requests()))
+                if agree.pending is not None:  # a signal during the last step: its flags, read now
+                    self.hb.enter("collective", "the ranks' flags of the last step")
+                    if agree.finish().preempt:
+                        preempted = True
+                        if ckpt.maybe_save(self.step, force=True):
+                            committed = self.step
                 tlog.close()
                 if not preempted:
                     self.nonfinite.check_trained(start, self.step)

@@ -10,7 +10,8 @@
 # NCCL with lazy gloo and expandable_segments, then a resume from them, 8 the gradient norm of a rank without
 # gradients reduced over a "cpu:gloo,cuda:nccl" group on the parameters' device, 9 CPU offload (all, optimizer)
 # against the plain run, and on CUDA a 6B model whose AdamW state does not fit trained with offload = "all"; context
-# parallel's CUDA ring needs 2 GPUs and is not here. Each step prints its exit status;
+# parallel's CUDA ring needs 2 GPUs and is not here, 10 no host-device sync outside log steps (the first two steps
+# set things up). Each step prints its exit status;
 # outputs go to $OUT (default /tmp/devout). Steps 2 and 4 run with the test seams of tests/plugins/seams.py (its
 # sitecustomize.py on PYTHONPATH reads SEAM_DOCTOR_SLOW and SEAM_FAULT).
 set -u
@@ -138,6 +139,37 @@ if [ "$DEV" = cuda ]; then
   timeout 420 $H train $ROOT/g1.toml --set model.dim=4096 --set model.n_layers=28 --set model.n_heads=32 --set model.vocab_size=32000 --set train.steps=3 --set train.micro_batch_size=1 --set train.ac=full --set parallel.zero_stage=3 --set parallel.offload=all --set checkpoint.at_end=false --run-dir $ROOT/of3 > $OUT/offload_big.txt 2>&1; rc=$?; expect "6B with offload all" 0 $rc
   grep -E "parameters|step +3|memory" $OUT/offload_big.txt | tail -4
 fi
+echo "== 10 no host-device sync outside log steps (torch.cuda.set_sync_debug_mode)"; t=$SECONDS
+DEV=$DEV ROOT=$ROOT timeout 240 $PY - > $OUT/syncs.txt 2>&1 <<'EOP'
+import os, warnings, torch
+from hpctrain.config import load_config
+from hpctrain.job import session
+from hpctrain.train.trainer import Trainer
+cuda = os.environ["DEV"] == "cuda"
+cfg = load_config(os.environ["ROOT"] + "/g1.toml", ["train.steps=12", "train.log_every=4", "checkpoint.at_end=false",
+                                                    f"job.run_root={os.environ['ROOT']}/sy"])
+with session.start(cfg) as s:
+    tr = Trainer(cfg, s)
+    step, seen = tr.train_step, {}
+    def watched(*a, **k):  # from this step's start to the next one's: the whole iteration of fit()'s loop
+        n = tr.step + 1
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0 if tr.log_step(n) or n <= 2 else "warn")
+        seen[n] = len(caught)
+        return step(*a, **k)
+    tr.train_step = watched
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.fit()
+    if cuda:
+        torch.cuda.set_sync_debug_mode(0)
+syncs = [m for m in caught if "synchroniz" in str(m.message)]
+print("warnings per step", {n: c for n, c in seen.items()}, "syncs", len(syncs))
+for m in syncs[:5]:
+    print(m.filename, m.lineno, m.message)
+assert not syncs, "the step synchronised with the device outside log steps"
+EOP
+rc=$?; echo "rc=$rc in $((SECONDS-t)) s"; expect "no syncs outside log steps" 0 $rc; tail -6 $OUT/syncs.txt
 echo "rc=$BAD after $((SECONDS-t)) s"
 [ $BAD = 0 ] && echo "gpu_smoke: every step as expected" || echo "gpu_smoke: MISMATCH above"
 exit $BAD

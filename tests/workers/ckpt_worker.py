@@ -36,8 +36,10 @@ def main(out: str, cases_json: str, base_port: int) -> None:
         try:
             with session.start(cfg) as s:
                 trainer = Trainer(cfg, s)
+                # preempt_at: the step the preemption's checkpoint is of. The ranks agree on a signal a step after it
+                # arrived (train/agreement.py), so it is sent right after the step before
                 preempt_at = case.get("preempt_at") if s.rank == 0 else None
-                res = trainer.fit(on_step=signal_after(preempt_at) if preempt_at else None)
+                res = trainer.fit(on_step=signal_after(preempt_at - 1) if preempt_at else None)
                 weights = full_weights(trainer.model)
                 if s.rank == 0:
                     torch.save({"losses": res["losses"], "resumed_from": res["resumed_from"], "weights": weights,

@@ -283,7 +283,7 @@ def test_hf_export_from_tp2_dp2_zero3(runs, tmp_path) -> None:
 
     ckpt, out = runs["out"] / "ckH" / "step_00000002", tmp_path / "hf"
     marker = json.loads((ckpt / "COMMITTED").read_text())
-    assert marker["layout"] == {"pp": 1, "dp": 2, "tp": 2, "cp": 1, "zero_stage": 3}
+    assert marker["layout"] == {"pp": 1, "dp": 2, "tp": 2, "cp": 1, "replicate": 1, "zero_stage": 3}
     assert len(list(ckpt.glob("*.h5"))) == 4
     done = export_hf(ckpt, out)
     assert (done["vocab_size"], done["padded_vocab_size"], done["num_shards"]) == (200, 256, 1)

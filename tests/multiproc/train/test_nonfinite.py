@@ -29,7 +29,6 @@ from hpctrain.checkpoint.manager import committed
 from hpctrain.config import load_config
 from hpctrain.job import runs, session
 from hpctrain.parallel import compose
-from hpctrain.train import optim
 from hpctrain.train.trainer import NonFiniteSteps, Trainer
 
 pytestmark = pytest.mark.faults
@@ -80,14 +79,15 @@ def inf_gradients(steps: set[int]):
 
 
 def preempt_after(step: int, also=None):
-    """An arm(): the preemption flag is set once `step` has run (as USR2 would), after also(tr, s)."""
+    """An arm(): the preemption flag is set (as USR2 would) once the step before `step` has run, after also(tr, s):
+    the ranks agree on it a step later (train/agreement.py), so the run is preempted after `step`."""
     def arm(tr: Trainer, s) -> None:
         if also is not None:
             also(tr, s)
         fit = tr.fit
 
         def on_step(row) -> None:
-            if tr.step == step:
+            if tr.step == step - 1:
                 s.preempt.received = signal.SIGUSR2
         tr.fit = lambda: fit(on_step)
     return arm
@@ -132,10 +132,7 @@ def test_a_run_whose_every_step_is_nonfinite_fails_below_the_limit(tmp_path, mon
            "checkpoint", tier="multiproc")
 
 
-def test_fused_optimizer_counts_on_the_device_and_is_read_on_log_steps(tmp_path, monkeypatch) -> None:
-    from test_train_run import fused_adamw
-
-    monkeypatch.setattr(optim, "build_optimizer", fused_adamw)
+def test_fused_optimizer_counts_on_the_device_and_is_read_on_log_steps(tmp_path) -> None:
     cfg = _cfg(tmp_path, OVERFLOW, "train.steps=20", "train.max_nonfinite_steps=3", "train.log_every=5")
     with pytest.raises(NonFiniteSteps) as info:
         _fit(cfg)

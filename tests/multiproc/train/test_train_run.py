@@ -81,12 +81,6 @@ def host_reads(monkeypatch) -> list[str]:
     return reads
 
 
-def fused_adamw(model, t, lr, zero_group=None, host=False) -> torch.optim.Optimizer:
-    """AdamW whose kernel takes found_inf: it can skip a step on the device."""
-    return torch.optim.AdamW(optim.param_groups(model, t.weight_decay), lr=lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                             fused=True)
-
-
 def poison_next_gradients(tr: Trainer) -> None:
     p, armed = tr.params[0], [True]
 
@@ -107,15 +101,14 @@ def test_train_step_leaves_its_metrics_on_the_device(tmp_path, monkeypatch) -> N
         reads = host_reads(monkeypatch)
         rows = [tr.train_step(sync=False) for _ in range(4)]
         monkeypatch.undo()
-    # foreach AdamW cannot skip on the device: its finiteness check is the one read, documented in optim.step_or_skip
-    assert reads == ["optim.py:step_or_skip"] * 4
+    # fused AdamW decides a non-finite step's skip on the device (found_inf): nothing is read
+    assert reads == []
     assert all(isinstance(r["loss"], torch.Tensor) and isinstance(r["grad_norm"], torch.Tensor) for r in rows)
     assert [host_values(r)["loss"] for r in rows] == want  # the same numbers, read late
 
 
 def test_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path, monkeypatch) -> None:
     cfg = load_config(None, STEP_CASE + [f"job.run_root={tmp_path}"])
-    monkeypatch.setattr(optim, "build_optimizer", fused_adamw)
     with session.start(cfg) as s:
         tr = Trainer(cfg, s)
         tr.train_step(sync=False)
@@ -134,14 +127,13 @@ def test_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path, monkeyp
         assert row["skipped"] is False and not torch.equal(tr.params[0], weights["tok_embeddings.weight"])
 
 
-# The per-step agreements, one read each (see their owners): the preemption poll, the checkpointer's SAVE_NOW and
-# background-write flags.
-AGREEMENTS = ("preempt.py:poll", "checkpointer.py:_requests")
+# The per-step agreement (train/agreement.py): the flags every rank sent after the step before, read from their host
+# copy (on a GPU pinned memory behind an event of that step), one read per step.
+AGREEMENTS = ("agreement.py:receive",)
 
 
 def test_fit_reads_the_device_on_log_steps_only(tmp_path, monkeypatch) -> None:
     cfg = load_config(None, STEP_CASE + [f"job.run_root={tmp_path}"])
-    monkeypatch.setattr(optim, "build_optimizer", fused_adamw)
     with session.start(cfg) as s:
         ref = Trainer(cfg, s)
         want = [ref.train_step()["loss"] for _ in range(6)]
@@ -152,12 +144,19 @@ def test_fit_reads_the_device_on_log_steps_only(tmp_path, monkeypatch) -> None:
         out = tr.fit()
         monkeypatch.undo()
     per_step: dict[int, list[str]] = {}
+    agreed: dict[int, int] = {}
     for r in reads[reads.index("step 1"):]:
         if r.startswith("step "):
             current = per_step.setdefault(int(r.split()[1]), [])
-        elif r not in AGREEMENTS:
+            n = int(r.split()[1])
+        elif r in AGREEMENTS:
+            agreed[n] = agreed.get(n, 0) + 1
+        else:
             current.append(r)
     assert {k for k, v in per_step.items() if v} == {1, 3, 6}, per_step  # log_every = 3, the first and the last
+    # one read of the agreed flags per step from the second on (the first has none to read), two after the last
+    # (its own, read at once as training ends)
+    assert agreed == {k: 1 for k in range(2, 6)} | {6: 2}, agreed
     assert out["losses"] == want
 
 
