@@ -47,6 +47,10 @@ class Config:
         check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len = {self.data.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}")
         p = self.parallel
+        check(t.precision != "fp8" or self.job.gpus_per_node > 0, "train.precision = 'fp8' needs GPUs with float8 "
+              "matmuls (H100, H200, B200) but job.gpus_per_node = 0: a CPU has none; train in bf16 or fp32")
+        check(t.precision != "fp8" or p.tp == 1, f"train.precision = 'fp8' with parallel.tp = {p.tp}: float8 "
+              f"tensor-parallel layers are not supported; use tp = 1 (with FSDP, pp or cp), or bf16 with tp")
         if p.cp > 1:  # each rank holds an early and a late chunk of every sequence (causal load balance)
             check(self.data.seq_len % (2 * p.cp) == 0, f"data.seq_len = {self.data.seq_len} must be divisible by "
                   f"2 x parallel.cp = {2 * p.cp}: each context-parallel rank holds two equal chunks of every sequence")

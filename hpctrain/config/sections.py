@@ -264,7 +264,10 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # on the global norm across all shards; 0 disables
     seed: int = 0  # the init, the data order and synthetic data all follow it
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; master weights and optimizer stay fp32)
+    # fp32 | bf16 | fp16 (compute dtype; master weights and optimizer stay fp32) | fp8: bf16 with the blocks' linear
+    # layers' matmuls in float8 (torchao, `pip install hpctrain[fp8]`; GPUs with float8 matmuls: H100, H200, B200)
+    precision: str = "fp32"
+    fp8_scaling: str = "rowwise"  # with precision = "fp8": rowwise | tensorwise (torchao's recipes)
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16
     loss_scale: float = 65536.0  # initial dynamic loss scale for fp16
     # this many consecutive non-finite steps (loss or gradients nan or inf, each skipped) stop the run with an
@@ -273,6 +276,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 50
     ac: str = "none"  # activation checkpointing: none | full | every | selective | op (hpctrain/parallel/recompute.py)
     ac_every: int = 2  # with ac = "every": checkpoint blocks 0, k, 2k, ...
+    # torch.compile each transformer block (regional compilation: one graph serves every block), after tensor
+    # parallel and recompute, before FSDP; the first step and the first evaluation compile (the watchdog's long limit)
+    compile: bool = False
     log_every: int = 10  # steps between logged steps (progress line, straggler report); the first and last too
     profile_steps: list[int] = field(default_factory=list)  # [first, last] steps traced by torch.profiler
     peak_tflops: float = 0.0  # per-rank peak for MFU; 0: a recognised GPU's datasheet figure, else the GEMM probe's
@@ -287,6 +293,11 @@ class TrainConfig:
     # straggler report: at log steps a rank whose compute time (its step less the time it waited for others)
     # exceeds the median rank's by more than this fraction is named, with its host
     straggler_margin: float = 0.2
+
+    @property
+    def compute(self) -> str:
+        """The compute dtype's name outside float8 matmuls: bf16 for fp8, else precision."""
+        return "bf16" if self.precision == "fp8" else self.precision
 
     def __post_init__(self) -> None:
         check_fields("train", self)
@@ -305,7 +316,8 @@ class TrainConfig:
                f"train.max_nonfinite_steps = {self.max_nonfinite_steps} would stop a healthy fp16 run: from "
                f"train.loss_scale = {self.loss_scale} the scale halves on each of up to {startup} skipped steps at "
                f"start-up; give more than {startup}")
-        one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16", "fp8"))
+        one_of("train", "fp8_scaling", self.fp8_scaling, ("rowwise", "tensorwise"))
         one_of("train", "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         one_of("train", "ac", self.ac, ("none", "full", "every", "selective", "op"))
         check(len(self.profile_steps) in (0, 2) and (not self.profile_steps or

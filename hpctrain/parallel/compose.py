@@ -5,6 +5,7 @@
     2. tensor    (parallel/tensor.py)      DTensor tp over the node-local mesh
        context   (parallel/context.py)     ring attention over the cp group (its rotary rows after 6.)
     3. recompute (parallel/recompute.py)   activation checkpointing of blocks
+       compile   (compile_blocks)          torch.compile of each block (train.compile)
     4. data      (parallel/data.py)        FSDP2 for ZeRO-2/3
     5. materialise (parallel/materialize.py)  each rank allocates and fills only its shards (tiled seeded init)
     6. data      (parallel/data.py)        how gradients meet across dp: DDP, a coalesced all-reduce or FSDP's
@@ -93,12 +94,14 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     offload = cfg.parallel.offload == "all" and mesh is not None
     zero = cfg.parallel.zero_stage if dp > 1 or offload else -1
     loss_parallel = tp > 1 and cfg.parallel.loss_parallel
-    low = torch_dtype(cfg.train.precision) if cfg.train.precision != "fp32" else None
+    low = torch_dtype(cfg.train.compute) if cfg.train.compute != "fp32" else None
     with torch.device("meta"):
         model = Transformer(dims)
     pp_rank = mesh.pp_rank if stages else 0
     if stages:
         pipeline.prune(model, stages, pp_rank)
+    if cfg.train.precision == "fp8":
+        to_float8(model, cfg.train.fp8_scaling)
     if tp > 1:
         keys = list(model.layers)
         recomputed = [keys[i] for i in recompute.recomputed_blocks(len(keys), cfg.train.ac, cfg.train.ac_every)]
@@ -106,7 +109,15 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     cp = plan.layout.cp
     if cp > 1:
         context.apply_cp(model, mesh.group("cp"), mesh.members("cp", mesh.rank))
+    # compiled after recompute's wrapper (torch.compile's own recompute), except whole-block recompute under tp:
+    # torch 2.13 cannot trace activation checkpointing of DTensor blocks (its saved tensors then include a
+    # DeviceMesh), so there the compiled block is recomputed by the eager wrapper
+    inside = cfg.train.compile and tp > 1 and cfg.train.ac in recompute.WHOLE
+    if inside:
+        compile_blocks(model, in_place=True)
     recompute.apply_ac(model, cfg.train.ac, cfg.train.ac_every)
+    if cfg.train.compile and not inside:
+        compile_blocks(model)
     parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     if zero in (2, 3):
         data.apply_fsdp(model, mesh.sub("fsdp"), zero, low, torch_dtype(cfg.train.reduce_dtype), parts or None,
@@ -122,6 +133,34 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     autocast = None if zero in (2, 3) else low  # FSDP casts parameters itself; master weights stay fp32 in shards
     tied = pipeline.TiedEmbedding.build(model, stages, mesh) if stages else None
     return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type, tied)
+
+
+def to_float8(model: Transformer, scaling: str) -> None:
+    """train.precision = "fp8": the blocks' linear layers become torchao's Float8Linear (their matmuls in float8 with
+    rowwise or tensorwise scales, the weights and their gradients as before: checkpoints do not change); the output
+    projection stays in bf16, as torchtitan keeps it. GPUs only (trainer.check_precision refused the rest)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(scaling),
+                               module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
+
+
+def compile_blocks(model: Transformer, in_place: bool = False) -> None:
+    """Regional compilation (torchtitan's): each block (with its recompute wrapper) becomes torch.compile's module,
+    so FSDP's hooks, the pipeline's stages and the loss stay eager around compiled blocks. Identical blocks share
+    one graph (torch inlines the modules and takes their parameters as inputs), so compilation does not grow with the
+    depth. Graph breaks are allowed (fullgraph off): context parallel's ring exchanges its K/V between compiled
+    pieces. The parameters' names gain "_orig_mod.", which checkpoints and the seeded init drop (clean_name).
+    in_place: the block module compiles its own call (Module.compile: no wrapper, the names unchanged), for a block
+    that a recompute wrapper then wraps (torch's state dicts drop "_orig_mod." only where it is outermost)."""
+    # found here: with AOTAutograd's cache warm (a second run of the same tp + sequence-parallel layout), torch 2.13
+    # trained with wrong gradients (the first step's norm 1-4% off the eager run's); the compiled graphs' own cache
+    # (inductor's FX graph cache) stays on
+    torch._functorch.config.enable_autograd_cache = False
+    for key in list(model.layers):
+        if in_place:
+            model.layers[key].compile()
+        else:
+            model.layers[key] = torch.compile(model.layers[key])
 
 
 @contextlib.contextmanager

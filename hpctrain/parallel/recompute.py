@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MODES = ("none", "full", "every", "selective", "op")  # train.ac
 PARTIAL = ("selective", "op")  # modes that keep more than a block's input
+WHOLE = ("full", "every")  # modes that recompute whole blocks (every block, or every k-th)
 
 
 def recomputed_blocks(n_blocks: int, mode: str, every: int) -> list[int]:

@@ -105,7 +105,7 @@ def describe_peak(peak: Peak, gemm: dict[str, Any], name: str | None) -> str:
 def mfu_peak(device: torch.device, precision: str, tf32: bool, configured: float) -> tuple[Peak, dict[str, Any]]:
     """A training run's peak, which MFU is against (choose_peak; `configured`: train.peak_tflops), and the GEMM
     probe's measured rate reported beside it; logs them in one line (describe_peak)."""
-    gemm = gemm_probe(device, torch_dtype(precision))
+    gemm = gemm_probe(device, torch_dtype("bf16" if precision == "fp8" else precision))
     name = device_name(device)
     peak = choose_peak(name, matmul_dtype(precision, tf32), configured, gemm)
     log.info("%s", describe_peak(peak, gemm, name))

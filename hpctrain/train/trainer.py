@@ -39,6 +39,29 @@ def check_precision(precision: str, device: torch.device) -> None:
     if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} has no bf16; "
                          f"use fp16 (with loss scaling) or fp32")
+    if precision == "fp8":
+        import importlib.util
+        cuda = device.type == "cuda"
+        why = float8_refusal(device.type, torch.cuda.get_device_capability(device) if cuda else None,
+                             torch.cuda.get_device_name(device) if cuda else device.type,
+                             importlib.util.find_spec("torchao") is not None)
+        if why:
+            raise ValueError(why)
+
+
+def float8_refusal(device_type: str, capability: tuple[int, int] | None, name: str, have_torchao: bool) -> str:
+    """Why train.precision = 'fp8' cannot run here ('' when it can): float8 matmuls need CUDA compute capability
+    8.9 or newer (Ada, Hopper, Blackwell) and torchao's float8 layers."""
+    if device_type != "cuda" or capability is None:
+        return (f"train.precision = 'fp8' on a {name} device: float8 matmuls need an NVIDIA GPU of compute "
+                f"capability 8.9 or newer (H100, H200, B200); train in bf16 or fp32")
+    if tuple(capability) < (8, 9):
+        return (f"train.precision = 'fp8' on {name} (compute capability {capability[0]}.{capability[1]}): float8 "
+                f"matmuls need 8.9 or newer (H100, H200, B200); train in bf16")
+    if not have_torchao:
+        return ("train.precision = 'fp8' needs torchao's float8 layers: pip install 'hpctrain[fp8]' (or torchao "
+                "matching this torch)")
+    return ""
 
 
 def tf32_setting(enabled: bool, device_type: str) -> bool | None:

@@ -145,6 +145,9 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
                         "outputs_kept": int(kept), "recv_buffers": int(held),
                         "offload": fsdp_offload([tr.model, *tr.pm.parts]),
                         "fsdp_mesh": fsdp_meshes([tr.model, *tr.pm.parts]),
+                        "compiled": len({id(m) for part in [tr.model, *tr.pm.parts] for m in part.modules()
+                                         if type(m).__name__.endswith("OptimizedModule")
+                                         or getattr(m, "_compiled_call_impl", None) is not None}),
                         # parallel.offload = "optimizer": AdamW's masters and state in host memory
                         "host_optimizer": type(tr.optimizer).__name__ == "HostAdamW" and all(
                             m.device.type == "cpu" for m in getattr(tr.optimizer, "params_of", {})),

@@ -1,0 +1,39 @@
+"""Pure tier: train.precision = "fp8" is refused, naming the value and the reason, wherever float8 matmuls cannot
+run: a CPU job (at config load, before anything starts), tensor parallel, a GPU older than compute capability 8.9,
+a machine without torchao. The float8 layers themselves need a GPU (tests/device/).
+
+    .venv/bin/python -m pytest -q tests/pure/train/test_fp8_refusals.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.refusals import refused
+from hpctrain.config import load_config
+from hpctrain.train.trainer import check_precision, float8_refusal
+
+GPU = ["job.gpus_per_node=8", "job.tasks_per_node=8", "train.precision=fp8"]
+
+
+def test_config_refuses_fp8_on_cpus_and_with_tensor_parallel() -> None:
+    refused(load_config, None, ["train.precision=fp8"], fragments=["train.precision = 'fp8'",
+                                                                    "job.gpus_per_node = 0", "bf16 or fp32"])
+    refused(load_config, None, GPU + ["parallel.tp=2"], fragments=["train.precision = 'fp8'", "parallel.tp = 2"])
+    refused(load_config, None, GPU + ["train.fp8_scaling=blockwise"], fragments=["train.fp8_scaling", "blockwise",
+                                                                                  "rowwise"])
+    cfg = load_config(None, GPU + ["train.fp8_scaling=tensorwise"])
+    assert (cfg.train.precision, cfg.train.compute, cfg.train.fp8_scaling) == ("fp8", "bf16", "tensorwise")
+    assert load_config(None, ["train.precision=bf16"]).train.compute == "bf16"
+
+
+def test_the_device_check_names_what_is_missing() -> None:
+    assert "capability 8.9" in float8_refusal("cpu", None, "cpu", True)
+    a100 = float8_refusal("cuda", (8, 0), "NVIDIA A100-SXM4-80GB", True)
+    assert "NVIDIA A100-SXM4-80GB" in a100 and "compute capability 8.0" in a100
+    assert "hpctrain[fp8]" in float8_refusal("cuda", (9, 0), "NVIDIA H100 80GB HBM3", False)
+    assert float8_refusal("cuda", (9, 0), "NVIDIA H100 80GB HBM3", True) == ""
+    assert float8_refusal("cuda", (10, 0), "NVIDIA B200", True) == ""
+    with pytest.raises(ValueError, match="train.precision = 'fp8' on a cpu device"):
+        check_precision("fp8", torch.device("cpu"))
+    check_precision("bf16", torch.device("cpu"))  # the others pass on a CPU
