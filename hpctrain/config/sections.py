@@ -154,6 +154,14 @@ class ParallelConfig:
     # none | optimizer: AdamW's state and fp32 masters in host memory, the step on the host's cores (not with
     # zero_stage 1) | all: FSDP's shards, gradients and AdamW state there too (CPUOffloadPolicy; zero_stage 2 or 3)
     offload: str = "none"
+    # ZeRO-2/3: blocks whose parameters FSDP gathers ahead of the one running, in forward and in backward (1: FSDP's
+    # own prefetch of the next block; k > 1 gathers k ahead: k - 1 more gathered blocks held, more time to hide
+    # each all-gather behind compute)
+    fsdp_prefetch: int = 1
+    # DDP (zero_stage 0/1 without tp or pp): MiB of gradients per all-reduce bucket. Smaller buckets start reducing
+    # earlier in backward and leave less exposed after it, at more collectives; the buckets are the gradients
+    # (gradient_as_bucket_view): no memory of their own
+    ddp_bucket_mb: int = 25
     sequence_parallel: bool = False  # shard norms and residuals along the sequence inside the tp group
     loss_parallel: bool = True  # keep logits vocab-sharded into the cross-entropy (tp > 1)
     # pipeline (pp > 1): train.grad_accum is the number of micro-batches each step pipelines
@@ -172,7 +180,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_fields("parallel", self)
         positive("parallel", self, "pp", "tp", "cp", "dp_replicate", "timeout_s", "connect_timeout_s",
-                 "pp_virtual_stages")
+                 "pp_virtual_stages", "fsdp_prefetch", "ddp_bucket_mb")
         positive("parallel", self, "startup_timeout_s", "flight_recorder", allow_zero=True)
         check(self.hang_timeout_s >= -1, f"parallel.hang_timeout_s = {self.hang_timeout_s} must be >= 0 (0: off), "
                f"or -1 for half of parallel.timeout_s")

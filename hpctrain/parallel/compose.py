@@ -121,12 +121,12 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     parts = [pipeline.stage_module(model, stages, s) for s in stages.stages_of(pp_rank)] if stages else []
     if zero in (2, 3):
         data.apply_fsdp(model, mesh.sub("fsdp"), zero, low, torch_dtype(cfg.train.reduce_dtype), parts or None,
-                        stages.pp if stages else 1, offload=offload)
+                        stages.pp if stages else 1, offload=offload, prefetch=cfg.parallel.fsdp_prefetch)
     unfilled = materialize(model, dims, cfg.train.seed, device, parts or None, fill,
                            torch.device("cpu") if offload else None)
     model, sync = data.gradient_sync(model, zero, stages is not None, tp, mesh.group("dp") if mesh else None, device,
                                      compress_bf16=low is not None and cfg.train.reduce_dtype == "bf16",
-                                     offload=offload)
+                                     offload=offload, bucket_mb=cfg.parallel.ddp_bucket_mb)
     if cp > 1:  # after DDP's construction, which broadcasts every buffer from dp rank 0 (its rotary rows)
         context.place_rotary([getattr(model, "module", model), *parts],
                              context.positions(cfg.data.seq_len, cp, mesh.cp_rank))

@@ -32,7 +32,7 @@ def reshard_after_forward(zero_stage: int, pp: int) -> bool:
 
 def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.dtype | None,
                reduce_dtype: torch.dtype, roots: list[nn.Module] | None = None, pp: int = 1,
-               offload: bool = False) -> None:
+               offload: bool = False, prefetch: int = 1) -> None:
     """FSDP2 per block then the root(s): ZeRO-3 reshards parameters after forward (not under pp, see
     reshard_after_forward), ZeRO-2 keeps them. Under pipeline parallel each stage module is a root (it holds the
     embedding, norm and output of its stage). offload: the shards, their gradients and so the optimizer's state
@@ -46,10 +46,16 @@ def apply_fsdp(model: Transformer, dp_mesh, zero_stage: int, param_dtype: torch.
     reshard = reshard_after_forward(zero_stage, pp)
     # pinned memory only where a device copies from it (pinning is a CUDA host allocation)
     policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
     for root in roots or [model]:
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
+    if prefetch > 1 and pp == 1:  # parallel.fsdp_prefetch: each block asks for the next k (forward) and the previous
+        # k (backward); under pp the stages keep their parameters gathered through the step (reshard_after_forward)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
 
 
 def allreduce_grads(model: nn.Module, group) -> None:
@@ -80,7 +86,7 @@ def no_forward_buffer_sync(ddp_class) -> dict[str, bool]:
 
 
 def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_group, device: torch.device,
-                  compress_bf16: bool, offload: bool = False) -> tuple[nn.Module, Sync]:
+                  compress_bf16: bool, offload: bool = False, bucket_mb: int = 25) -> tuple[nn.Module, Sync]:
     """The model the trainer runs and its sync(is_last_micro_step): gradients are reduced across dp once per step,
     after the last micro-batch (nanoGPT's no_sync trick). zero -1 means no data parallelism.
     - ZeRO-2/3 (FSDP2): FSDP reduce-scatters after the last micro-batch; under pp the schedule tells it when. With
@@ -108,7 +114,8 @@ def gradient_sync(model: nn.Module, zero: int, pipelined: bool, tp: int, dp_grou
                 allreduce_grads(model, dp_group)
         return model, allreduce_after
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(model, process_group=dp_group, gradient_as_bucket_view=True, **no_forward_buffer_sync(DDP),
+    ddp = DDP(model, process_group=dp_group, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb,
+              **no_forward_buffer_sync(DDP),
               device_ids=[device.index] if device.type == "cuda" else None)
     if compress_bf16:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from hpctrain.model.dims import ModelDims
     from hpctrain.parallel.plan import Plan
 
-LOW = {"bf16": 2, "fp16": 2}  # compute dtype bytes under mixed precision; fp32 otherwise
+LOW = {"bf16": 2, "fp16": 2, "fp8": 2}  # compute dtype bytes under mixed precision (fp8: bf16 outside its matmuls)
 COLWISE = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
            "feed_forward.w3.weight", "output.weight", "tok_embeddings.weight")
 ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")

@@ -41,13 +41,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpctrain.planner.activations import ActivationModel, block_weights, mode_of
-from hpctrain.planner.memory import Coords, fsdp_shards
+from hpctrain.planner.memory import LOW, Coords, fsdp_shards
 
 if TYPE_CHECKING:
     from hpctrain.config import Config
     from hpctrain.parallel.plan import Plan
 
-LOW = {"bf16": 2, "fp16": 2}
 
 
 def in_flight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int = 0) -> float:
@@ -119,7 +118,7 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     ddp = zero in (0, 1) and lay.tp == 1 and plan.stages is None
     # an earlier micro-batch's gradients; FSDP's unsharded, in train.reduce_dtype under mixed precision
     low_reduce = t.reduce_dtype == "bf16" and t.precision in LOW
-    accumulated = shard * lay.dp * (0.5 if low_reduce else 1) if fsdp else grads
+    accumulated = shard * lay.shard * (0.5 if low_reduce else 1) if fsdp else grads  # HSDP: its shard group
     if offload and plan.stages is None:  # reduce-scattered every micro-batch into the host's shards
         accumulated = 0
     if ddp:
@@ -131,7 +130,8 @@ def peak(cfg: Config, plan: Plan, states: dict[str, int], pp_rank: int = 0) -> d
     block = block_weights(dims) / lay.tp + 2 * dims.dim  # one block's local elements
     if fsdp and zero == 3 and plan.stages is None:
         root = (2 * dims.vocab_size * dims.dim / lay.tp + dims.dim)
-        gathered = LOW.get(t.precision, 4) * (2 * block + root)
+        # the running block and the ones gathered ahead of it (parallel.fsdp_prefetch: the next one by default)
+        gathered = LOW.get(t.precision, 4) * ((1 + p.fsdp_prefetch) * block + root)
     # then the loss's buffers, or, a little later, the first block's gradients beside the same activations
     later = 3 * logits if head else 0.0
     if not early:

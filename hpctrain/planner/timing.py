@@ -41,7 +41,8 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   (P / (N / R)) all-reduced over its R replicas once per step (2 (R-1)/R of it), on a NIC once the dp group spans
   nodes (the replicas of a node's shard groups share its NICs).
   With dp_overlap the collectives hide behind compute (ZeRO-0-2: one micro-batch's, ZeRO-3: every micro-batch's)
-  except the last block's share (a bucket cannot start before its gradients exist).
+  except the last block's share (a bucket cannot start before its gradients exist), or under DDP its last
+  bucket's all-reduce (ddp_bucket_mb).
 - pipeline point-to-point: per micro-batch and virtual stage one send forward and one backward of b s d / t bytes
   (Megatron's scatter-gather, or sequence parallel shards), on the NIC when a stage fills a node.
 - context parallel (cp): each rank computes its share of every sequence (s / cp tokens, the causal work balanced),
@@ -193,8 +194,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, accumulate_unsharded: bool = False,
-             zero1_broadcast: bool = False, cp: int = 1, offload: str = "none", dp_replicate: int = 1
-             ) -> TimeEstimate:
+             zero1_broadcast: bool = False, cp: int = 1, offload: str = "none", dp_replicate: int = 1,
+             ddp_bucket_mb: float | None = None) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
     block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
@@ -205,7 +206,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     CPU offload (ZeRO-2/3 shards in host memory, gradients reduce-scattered every micro-batch); "optimizer", AdamW
     on the host (gradients down and parameters up once per step). dp_replicate: HSDP's replicas (ZeRO-2/3): FSDP's
     traffic in a shard group of dp x cp / dp_replicate ranks, and the gradient shards all-reduced across the
-    replicas."""
+    replicas. ddp_bucket_mb: DDP's bucket (zero_stage 0/1 reducing through DDP): the last bucket's all-reduce
+    cannot start before backward ends, so at least its time stays exposed; None: the last block's share."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -286,7 +288,10 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     if dp > 1:
         dp_comm += replicate_comm
     hideable = compute if zero_stage == 3 else compute / m
-    dp_exposed = max(dp_comm / blocks, dp_comm - hideable) if dp_overlap else dp_comm
+    tail = dp_comm / blocks  # the last gradients' share cannot overlap the backward that makes them
+    if ddp_bucket_mb is not None and zero_stage in (0, 1) and dp > 1:  # DDP: its last bucket's all-reduce
+        tail = 2 * ring(dp) * min(ddp_bucket_mb * 2**20, p_rank * reduce_b) / dp_link
+    dp_exposed = max(tail, dp_comm - hideable) if dp_overlap else dp_comm
 
     p2p = 0.0
     if pp > 1:

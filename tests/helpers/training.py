@@ -70,6 +70,14 @@ def fsdp_meshes(modules) -> dict[str, tuple[int, ...]]:
     return {name: tuple(g.mesh_info.mesh.shape) for name, g in fsdp_groups(modules).items()}
 
 
+def fsdp_prefetch(modules) -> dict[str, int]:
+    """How many modules each FSDP module gathers ahead of its forward (parallel.fsdp_prefetch; FSDP's implicit
+    prefetch of one is not listed: 0)."""
+    from torch.distributed.fsdp import FSDPModule
+    return {name: len(m._get_fsdp_state()._states_to_forward_prefetch or []) for k, root in enumerate(modules)
+            for name, m in root.named_modules() if isinstance(m, FSDPModule) and name.startswith("layers.")}
+
+
 def fsdp_offload(modules) -> dict[str, bool]:
     """Whether each FSDP module keeps its shards in host memory (CPUOffloadPolicy: parallel.offload = "all")."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -145,6 +153,8 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
                         "outputs_kept": int(kept), "recv_buffers": int(held),
                         "offload": fsdp_offload([tr.model, *tr.pm.parts]),
                         "fsdp_mesh": fsdp_meshes([tr.model, *tr.pm.parts]),
+                        "prefetch": fsdp_prefetch([tr.model, *tr.pm.parts]),
+                        "ddp_bucket_bytes": getattr(tr.model, "bucket_bytes_cap", None),
                         "compiled": len({id(m) for part in [tr.model, *tr.pm.parts] for m in part.modules()
                                          if type(m).__name__.endswith("OptimizedModule")
                                          or getattr(m, "_compiled_call_impl", None) is not None}),

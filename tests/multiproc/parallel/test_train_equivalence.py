@@ -63,6 +63,10 @@ TWO = [
     {"name": "dp2_zero3_offload", "overrides": ["parallel.zero_stage=3", "parallel.offload=all",
                                                 "train.micro_batch_size=4"]},
     {"name": "dp2_zero0_host_adamw", "overrides": ["parallel.offload=optimizer", "train.micro_batch_size=4"]},
+    # overlap settings: FSDP gathering 2 blocks ahead, DDP buckets of 2 MiB
+    {"name": "dp2_zero3_prefetch2", "overrides": FOUR_LAYERS + ["parallel.zero_stage=3", "train.micro_batch_size=4",
+                                                                "parallel.fsdp_prefetch=2"]},
+    {"name": "dp2_zero0_bucket2", "overrides": ["train.micro_batch_size=4", "parallel.ddp_bucket_mb=2"]},
     # compiled blocks (train.compile): FSDP, tp with sequence parallel, a pipeline, context parallel
     {"name": "dp2_zero3_compiled", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", COMPILE]},
     {"name": "tp2_sp_compiled", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", COMPILE]},
@@ -227,6 +231,18 @@ def test_compiled_blocks_match_eager_single_process(results, case) -> None:
     blocks = 1 if case.startswith("pp2") else 2
     assert results[case]["compiled"] == blocks, results[case]["compiled"]
     assert results["ref"]["compiled"] == 0
+
+
+def test_overlap_settings_train_the_same_model(results) -> None:
+    """parallel.fsdp_prefetch = 2 (every block asks for the next two in forward; 4 blocks: the last has none left)
+    and parallel.ddp_bucket_mb = 2 (DDP's bucket cap) change when communication runs, not what is computed."""
+    compare_runs(results["dp2_zero3_prefetch2"], results["ref4"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results["dp2_zero3_prefetch2"]["prefetch"] == {"layers.0": 2, "layers.1": 2, "layers.2": 1,
+                                                          "layers.3": 0}, results["dp2_zero3_prefetch2"]["prefetch"]
+    assert set(results["dp2_zero3"]["prefetch"].values()) == {0}
+    compare_runs(results["dp2_zero0_bucket2"], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
+    assert results["dp2_zero0_bucket2"]["ddp_bucket_bytes"] == 2 * 2**20
+    assert results["dp2_zero0"]["ddp_bucket_bytes"] == 25 * 2**20
 
 
 @pytest.mark.parametrize("case", ["dp4_zero3_hsdp2", "dp4_zero2_hsdp2_accum2"])

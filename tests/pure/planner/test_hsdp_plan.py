@@ -29,6 +29,8 @@ def test_each_rank_holds_its_shard_groups_share() -> None:
     node = evaluate(load_config(EXAMPLE, FSDP + ["job.nodes=1"]), profile("h100-sxm"), 5.0)
     full = evaluate(load_config(EXAMPLE, FSDP + ["job.nodes=4"]), profile("h100-sxm"), 5.0)
     assert hsdp["model_states_gib"] == node["model_states_gib"]
+    # and the step's peak: the unsharded gradients FSDP accumulates are the shard group's (shard x 8), not dp's
+    assert hsdp["peak_gib"] == pytest.approx(node["peak_gib"])
     assert full["model_states_gib"]["total"] < hsdp["model_states_gib"]["total"]
     assert hsdp["layout"]["dp_replicate"] == 4 and "dp_replicate" not in full["layout"]
 
