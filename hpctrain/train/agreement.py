@@ -2,10 +2,11 @@
 a preemption signal, whether SAVE_NOW appeared (rank 0 looks) and whether any rank's background save is still
 writing. One all-reduce (MAX) of the three flags per step, read one step late:
 
-    agree = StepAgreement(device)
+    agree = StepAgreement(device, hb, local)    # local() -> this rank's (preempted, save_now, writing)
     ...after step N: flags = agree.receive()      # what the ranks sent after step N - 1 (Flags() before any)
                      ...act on flags (save, stop)...
-                     agree.send(N, (preempted, save_now, writing))   # this rank's, for the next step to read
+                     agree.send(N)                # this rank's, for the next step to read
+    ...at the end:   agree.finish()               # the last flags sent, read at once (Flags() if none)
 
 The host that reads a device value waits for every kernel queued before it: read at once, the agreement of step N
 would wait for step N's last kernel before the host could queue step N + 1's first (the device idles meanwhile).
@@ -20,6 +21,7 @@ of step N + 1); the end of training reads the last flags at once (finish()).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,17 +35,26 @@ class Flags:
     writing: bool = False
     sent_at: int | None = None  # None: nothing was sent yet
 
+    @property
+    def requests(self) -> tuple[bool, bool]:
+        """(save_now, writing), as Checkpointer.maybe_save takes them."""
+        return self.save_now, self.writing
+
 
 class StepAgreement:
-    def __init__(self, device: torch.device, group=None) -> None:
-        self.device, self.group = device, group
+    """hb: the heartbeat whose phase says where a rank waits (hang forensics); local(): this rank's flags."""
+
+    def __init__(self, device: torch.device, hb, local: Callable[[], tuple[bool, bool, bool]], group=None) -> None:
+        self.device, self.hb, self.local, self.group = device, hb, local, group
         self.pending: tuple | None = None  # (step, work, tensor read on the host, event)
 
-    def send(self, step: int, flags: tuple[bool, bool, bool]) -> None:
+    def send(self, step: int) -> None:
         """Starts the all-reduce of this rank's flags after `step` (collective: every rank sends after the same
         step). Call receive() before the next send."""
         if self.pending is not None:
             raise RuntimeError(f"the flags of step {self.pending[0]} were never received")
+        self.hb.enter("collective", f"the ranks' flags after step {step} (preemption, checkpoints)")
+        flags = self.local()
         cuda = self.device.type == "cuda"
         # from pinned memory, non_blocking: a copy from pageable memory would make the host wait for the stream
         t = torch.tensor([float(f) for f in flags], pin_memory=cuda).to(self.device, non_blocking=True)
@@ -66,6 +77,7 @@ class StepAgreement:
         if self.pending is None:
             return Flags()
         step, work, t, event = self.pending
+        self.hb.enter("collective", f"the ranks' flags of step {step} (preemption, checkpoints)")
         self.pending = None
         if work is not None:
             work.wait()

@@ -102,6 +102,11 @@ class NonFiniteStreak:
     def on_host(self) -> bool:
         return not isinstance(self.count, torch.Tensor)
 
+    def check_where_read(self, step: int, logged: bool) -> None:
+        """check(step) where the count costs no wait for the device: it is on the host, or the log step read it."""
+        if logged or self.on_host():
+            self.check(step)
+
     def check(self, step: int) -> int:
         """The count after `step`; NonFiniteSteps when it has reached the limit. Same on every rank: a step is
         skipped on the global gradient norm (or the loss scaler's world-wide overflow check)."""
@@ -273,39 +278,30 @@ class Trainer:
                                                self.pm.dims.flops_per_token(self.cfg.data.seq_len), self.tokens_seen)
                 self.hb.begin_training(self.step)  # the first step compiles, allocates, sets up NCCL: the long limit
                 self.hb.take_times()  # the straggler report counts training steps only
-                # the flag was installed at process start: a signal during start-up or the resume stops here
                 self.hb.enter("collective", "preemption poll on the world")
-                preempted = self.s.preempt.poll(self.device)
+                preempted = self.s.preempt.poll(self.device)  # a signal during start-up or the resume stops here
                 self.sync_steps = False  # the host reads the device on log steps only
                 start, committed = self.step, None
-                agree = agreement.StepAgreement(self.device)  # preemption and checkpoint requests, read a step late
+                agree = agreement.StepAgreement(self.device, self.hb, lambda: (  # read a step late
+                    self.s.preempt.received is not None, *ckpt.local_requests()))
                 while self.step < t.steps and not preempted:
                     row = self.train_step()
                     logged = self.log_step(self.step)
                     tlog.step(row, self.tokens_seen, logged, self.stragglers.report() if logged else None)
                     if on_step is not None:
                         on_step(row)
-                    if logged or self.nonfinite.on_host():  # no wait for the device: it was read for the log
-                        self.nonfinite.check(self.step)
-                    self.hb.enter("collective", "the ranks' flags of the step before (preemption, checkpoints)")
+                    self.nonfinite.check_where_read(self.step, logged)
                     flags = agree.receive()  # sent after the previous step: waits for the stream up to there only
                     preempted = flags.preempt
                     if self.evaluator is not None and not preempted and self.evaluator.due(self.step, t.steps):
                         self.hb.enter("eval")
                         tlog.eval(self.evaluate())
-                    self.hb.enter("collective", "checkpoint requests on the world")
-                    if ckpt.maybe_save(self.step, force=preempted, requests=(flags.save_now, flags.writing)) \
-                            and preempted:
+                    if ckpt.maybe_save(self.step, force=preempted, requests=flags.requests) and preempted:
                         committed = self.step
                     if not preempted:
-                        self.hb.enter("collective", "the ranks' flags of this step (preemption, checkpoints)")
-                        agree.send(self.step, (self.s.preempt.received is not None, *ckpt.local_requests()))
-                if agree.pending is not None:  # a signal during the last step: its flags, read now
-                    self.hb.enter("collective", "the ranks' flags of the last step")
-                    if agree.finish().preempt:
-                        preempted = True
-                        if ckpt.maybe_save(self.step, force=True):
-                            committed = self.step
+                        agree.send(self.step)
+                if agree.finish().preempt:  # a signal during the last step: its flags, read now
+                    preempted, committed = True, self.step if ckpt.maybe_save(self.step, force=True) else committed
                 tlog.close()
                 if not preempted:
                     self.nonfinite.check_trained(start, self.step)

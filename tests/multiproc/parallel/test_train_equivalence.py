@@ -67,10 +67,10 @@ TWO = [
     {"name": "dp2_zero3_prefetch2", "overrides": FOUR_LAYERS + ["parallel.zero_stage=3", "train.micro_batch_size=4",
                                                                 "parallel.fsdp_prefetch=2"]},
     {"name": "dp2_zero0_bucket2", "overrides": ["train.micro_batch_size=4", "parallel.ddp_bucket_mb=2"]},
-    # compiled blocks (train.compile): FSDP, tp with sequence parallel, a pipeline, context parallel
+    # compiled blocks (train.compile): FSDP, tp with sequence parallel, context parallel (each compile costs tens of
+    # seconds here: one layout per kind of block graph)
     {"name": "dp2_zero3_compiled", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", COMPILE]},
     {"name": "tp2_sp_compiled", "overrides": ["parallel.tp=2", "parallel.sequence_parallel=true", COMPILE]},
-    {"name": "pp2_1f1b_compiled", "overrides": PP + ["parallel.pp_schedule=1f1b", COMPILE]},
     {"name": "cp2_compiled", "overrides": ["parallel.cp=2", COMPILE]},
     {"name": "dp2_zero3_op", "overrides": ["parallel.zero_stage=3", "train.micro_batch_size=4", "train.ac=op"]},
     {"name": "pp2_1f1b_selective", "overrides": PP + ["parallel.pp_schedule=1f1b", "train.ac=selective"]},
@@ -162,7 +162,6 @@ def _results(out) -> dict[str, dict]:
     run_case(["model.mlp=gelu"], out / "ref_gelu.pt")
     run_case([FUSED], out / "ref_fused.pt")
     run_case(["parallel.zero_stage=3", "parallel.offload=all"], out / "ref_offload.pt")  # one process: FSDP of 1
-    run_case([COMPILE], out / "ref_compiled.pt")
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = spawn_train_worker(4, FOUR, out)
     logs += [p.communicate(timeout=600)[0] for p in spawn_train_worker(2, AGAIN, out)]
@@ -220,16 +219,15 @@ def test_context_parallel_matches_single_process(results, case) -> None:
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
 
 
-@pytest.mark.parametrize("case", ["ref_compiled", "dp2_zero3_compiled", "tp2_sp_compiled", "tp2_sp_compiled_warm",
-                                  "pp2_1f1b_compiled",
-                                  "cp2_compiled", "tp2dp2_zero2_ac_compiled", "tp2dp2_zero1_selective_compiled"])
+@pytest.mark.parametrize("case", ["dp2_zero3_compiled", "tp2_sp_compiled", "tp2_sp_compiled_warm", "cp2_compiled",
+                                  "tp2dp2_zero2_ac_compiled", "tp2dp2_zero1_selective_compiled"])
 def test_compiled_blocks_match_eager_single_process(results, case) -> None:
     """train.compile: every block of every rank runs as torch.compile's module (inductor on CPU) and the run trains
-    what the eager single process trains, within fp32 tolerance: one process, FSDP, tp with sequence parallel, a
-    pipeline, context parallel, tp x FSDP with recompute, selective recompute under ZeRO-1."""
+    what the eager single process trains, within fp32 tolerance: FSDP, tp with sequence parallel (again in new
+    processes on a warm cache), context parallel, tp x FSDP with recompute (the block compiled inside the recompute
+    wrapper), selective recompute under tp x ZeRO-1."""
     compare_runs(results[case], results["ref"], LOSS_TOL, WEIGHT_TOL, NORM_RTOL)
-    blocks = 1 if case.startswith("pp2") else 2
-    assert results[case]["compiled"] == blocks, results[case]["compiled"]
+    assert results[case]["compiled"] == 2, results[case]["compiled"]
     assert results["ref"]["compiled"] == 0
 
 

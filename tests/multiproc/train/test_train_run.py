@@ -28,7 +28,8 @@ from hpctrain.train.trainer import Trainer
      "train.global_batch_size = 30 is not divisible by dp(2) x train.grad_accum(4) = 8"),
     (["parallel.pp=2", "parallel.dp=1"], "train.grad_accum = 1 micro-batches: 1F1B needs at least pp = 2"),
     (["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[3, 3]"], "parallel.pp_layers = [3, 3] sums to 6"),
-    (["train.precision=fp8"], "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
+    (["train.precision=fp4"], "train.precision = 'fp4' is not one of fp32, bf16, fp16, fp8"),
+    (["train.precision=fp8"], "train.precision = 'fp8' needs GPUs with float8 matmuls"),  # the example is on CPUs
     (["parallel.zero_stage=4"], "parallel.zero_stage = 4 must be 0, 1, 2 or 3"),
 ])
 def test_bad_training_input_refused_at_dry_run(sets, fragment, tmp_path) -> None:
