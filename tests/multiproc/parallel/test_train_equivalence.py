@@ -164,13 +164,19 @@ def _results(out) -> dict[str, dict]:
     run_case(["parallel.zero_stage=3", "parallel.offload=all"], out / "ref_offload.pt")  # one process: FSDP of 1
     logs = [p.communicate(timeout=600)[0] for p in running[2]]
     running[4] = spawn_train_worker(4, FOUR, out)
-    logs += [p.communicate(timeout=600)[0] for p in spawn_train_worker(2, AGAIN, out)]
     logs += [p.communicate(timeout=600)[0] for p in running[4]]
+    # alone, and in a directory of its own: every worker writes errors-rank<R>.json (CI-30: started beside the
+    # 4-rank worker, whose ranks 1 and 2 then lost a gloo connection in one case, it overwrote that worker's error
+    # files, and the failure showed only as missing results; the cause of the lost connection is not known yet)
+    (out / "warm").mkdir()
+    running[-2] = spawn_train_worker(2, AGAIN, out / "warm")
+    logs += [p.communicate(timeout=600)[0] for p in running[-2]]
     errors = {}
-    for f in out.glob("errors-rank*.json"):
+    for f in [*out.glob("errors-rank*.json"), *out.glob("warm/errors-rank*.json")]:
         errors.update(json.loads(f.read_text()))
-    assert not errors, f"{errors}\n" + "\n".join(log[-3000:] for log in logs)
-    return {f.stem: torch.load(f) for f in out.glob("*.pt")}
+    failed = [p.returncode for procs in running.values() for p in procs if p.returncode]
+    assert not errors and not failed, f"{errors} {failed}\n" + "\n".join(log[-3000:] for log in logs)
+    return {f.stem: torch.load(f) for f in [*out.glob("*.pt"), *out.glob("warm/*.pt")]}
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2_sp", "dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3",
