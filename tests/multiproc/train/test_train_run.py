@@ -61,7 +61,7 @@ def test_vocab_padding_is_announced(tmp_path) -> None:
 # --- host syncs -------------------------------------------------------------------------------------------------
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-PACKAGE = str(Path(optim.__file__).parent)  # hpctrain/
+PACKAGE = str(Path(optim.__file__).parents[1])  # hpctrain/ (optim is hpctrain/train/optim.py)
 STEP_CASE = ["model.vocab_size=256", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
              "data.source=synthetic", "data.seq_len=32", "train.micro_batch_size=2", "train.steps=6",
              "train.log_every=3", "train.warmup_steps=1", "checkpoint.at_end=false", "parallel.pp=1", "parallel.tp=1",
