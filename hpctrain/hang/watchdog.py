@@ -30,14 +30,19 @@ What a hang leaves, per live rank:
                             collectives in flight, per group, with their sequence numbers
     hang/request            written by the first rank to trip: who, why, when, how long the others had to answer
     hang/acks.json          written by the first rank to trip: the answers that reached it through the store
+    hang/ended              written by the first rank to trip when its diagnosis and requeue are done
 
 How the ranks tell each other. The first rank to trip asks every other rank to dump through the job's store (the
 rendezvous TCPStore: a key set once, compare_set, so one rank is first), and each rank that dumped says so there
 (a line appended with its dump's header, main-thread stack and flight recorder summary, and a counter). Every
 other rank's watchdog sees the request at its next poll and dumps too (it may still be computing, or waiting in a
 collective a stopped peer never joins). The first rank waits until the count says every rank answered, or a grace
-period passed; the others wait out the grace (so the first rank's diagnosis comes before their aborts). Then each
-ends itself through the launch's abort path: submitit's error result, MPI_Abort (every rank of an MPI launch), else
+period passed, diagnoses and runs its on_end (the requeue without the silent ranks' nodes), then says it is done
+(the store's "ended" key and hang/ended). The others wait out the grace, then for that word, at most END_WAIT_S
+more: their aborts end the whole launch (MPI_Abort), and one that came while the first rank was between
+`scontrol requeue` and the ExcNodeList update, or before it recorded the requeue, left the job requeued onto the
+same node with no record of it (seen on the local cluster, CI-32). Then each ends itself through the launch's
+abort path: submitit's error result, MPI_Abort (every rank of an MPI launch), else
 the peers on its own host that never dumped (stopped, or stuck in the kernel) are killed and the rank exits 1 (srun
 --kill-on-bad-exit ends the rest). The first rank writes the answers it got into hang/acks.json before it
 diagnoses, so the diagnosis (and the requeue that excludes nodes by it) counts every rank that answered in time,
@@ -95,6 +100,10 @@ STORE_WAIT_S = 1.0
 # exited and its store went with it, while Python is finalising, and the thread is ended inside C++ that may not
 # unwind. Finished or failed, the call ends before the process does.
 STORE_EXIT_WAIT_S = 10.0
+# How long, after the grace, the other ranks wait for the first rank's on_end: it reads the dumps and asks scontrol
+# three or four times (each well under a second on a healthy controller); past this they end the job anyway
+END_WAIT_S = 30.0
+ENDED = "ended"
 MAX_ACK_BYTES = 16 << 10  # one rank's answer: a dump's header, a short stack, a flight recorder summary
 ACK_FRAMES = 16  # of the main thread's stack, innermost first: diagnose shows three
 
@@ -296,23 +305,56 @@ class Watchdog:
             print(f"hpctrain: hang dump of rank {hb.rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
         finally:
-            # not stop(): the job is ending. The others wait out the whole grace, as ever: the first rank ends its
-            # wait no later than they do, so its diagnosis and requeue come before their aborts end the job
+            # not stop(): the job is ending. The others wait out the whole grace, then for the first rank's word
+            # that its diagnosis and requeue are done: their aborts end every rank of the launch, the first too
             if initiator:
                 self._wait_for_answers(t0 + self.limits.grace_s)
-            else:
-                time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))
-            if initiator:
                 self._keep_answers()
                 snapshot_heartbeats(self.run_dir)
-            if initiator and self.on_end is not None:
-                try:
-                    said = self.on_end()
-                    message += f"; {said}"
-                    print(f"hpctrain: after the hang: {said}", file=sys.stderr, flush=True)
-                except Exception as e:  # noqa: BLE001
-                    print(f"hpctrain: after the hang: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                if self.on_end is not None:
+                    try:
+                        said = self.on_end()
+                        message += f"; {said}"
+                        print(f"hpctrain: after the hang: {said}", file=sys.stderr, flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"hpctrain: after the hang: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                self._say_ended()
+            else:
+                time.sleep(max(0.0, self.limits.grace_s - (time.monotonic() - t0)))
+                self._wait_for_first(time.monotonic() + END_WAIT_S)
             end_job(self.peers, self.run_dir, message)
+
+    def _say_ended(self) -> None:
+        """The first rank: its on_end is done, the others may end the job (the store, and hang/ended for a store
+        that does not answer)."""
+        if self.channel is not None:
+            try:
+                self.channel.end()
+            except Unreachable:
+                pass
+        try:
+            os.close(os.open(self.run_dir / "hang" / ENDED, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o644))
+        except OSError as e:
+            print(f"hpctrain: cannot write {self.run_dir / 'hang' / ENDED}: {e.strerror}", file=sys.stderr,
+                  flush=True)
+
+    def _wait_for_first(self, deadline: float) -> None:
+        """The other ranks: until the first rank said its on_end is done, or the deadline."""
+        channel = self.channel
+        path = self.run_dir / "hang" / ENDED
+        while time.monotonic() < deadline:
+            if channel is not None:
+                try:
+                    if channel.ended():
+                        return
+                except Unreachable:
+                    channel = None  # the file alone from here
+            if os.path.lexists(path):
+                return
+            time.sleep(min(0.1, self.limits.poll_s))
+        print(f"hpctrain: rank {self.hb.rank}: the first rank to call the hang did not say it was done within "
+              f"{END_WAIT_S:g} s of the grace; ending the job", file=sys.stderr, flush=True)
 
     def _claim(self, reason: str) -> bool:
         """Whether this rank is the first to trip, the one that keeps the heartbeats and runs on_end. The store
@@ -456,6 +498,14 @@ class StoreChannel:
             line = json.dumps({"rank": record["rank"], "header": record["header"]})[:MAX_ACK_BYTES]
         self._call("append", "acks", line + "\n")
         self._call("add", "acked", 1)
+
+    def end(self) -> None:
+        """The first rank: its diagnosis and on_end are done."""
+        self._call("set", ENDED, "1")
+
+    def ended(self) -> bool:
+        """Whether the first rank said it is done."""
+        return bool(self._call("check", [ENDED]))
 
     def acked(self) -> int:
         """How many ranks have answered."""

@@ -179,6 +179,51 @@ def test_answers_reach_the_first_rank_while_files_appear_late(tmp_path, monkeypa
            "pure")
 
 
+@pytest.mark.parametrize("case", ["store", "files", "stuck"])
+def test_the_others_end_the_job_only_once_the_first_rank_is_done(tmp_path, monkeypatch, case) -> None:
+    """The first rank's on_end (the requeue without the silent ranks' nodes: diagnose, scontrol show, requeue,
+    update, the record) takes 1.5 s here. The other ranks' ends (MPI_Abort: every rank of the launch, the first too)
+    wait for its word, through the store or hang/ended; CI-32: they ended at the grace and cut the first rank between
+    `scontrol requeue` and the ExcNodeList update, so the job ran again on the bad node with no record. A first rank
+    that never says (stuck) holds them END_WAIT_S, no longer."""
+    hbs, limits, ended, released = _four_ranks(tmp_path, monkeypatch)
+    ends: dict[int, float] = {}
+    monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: (
+        ends.setdefault(int(message.split()[3].rstrip(":")), time.monotonic()), released.wait(60)))
+    done: list[float] = []
+    on_end_s = 6.0 if case == "stuck" else 1.5
+    if case == "stuck":
+        monkeypatch.setattr(watchdog, "END_WAIT_S", 1.0)
+
+    def requeue_slowly() -> str:
+        time.sleep(on_end_s)
+        done.append(time.monotonic())
+        return "requeued (the test's)"
+
+    store = dist.HashStore()
+    dogs = []
+    try:
+        for r in (0, 3, 2):
+            dogs.append(watchdog.Watchdog(hbs[r], tmp_path, limits,
+                                          channel=_channel(store) if case == "store" else None))
+        dogs[-1].on_end = requeue_slowly  # rank 2's: it trips first
+        t0 = time.monotonic()
+        hbs[2].since -= 30
+        _until(lambda: len(ends) == 3, 20, f"not every live rank ended: {ends}")
+    finally:
+        released.set()
+        for dog in dogs:
+            dog.stop()
+    others = [ends[0], ends[3]]
+    if case == "stuck":  # they gave up on it after END_WAIT_S
+        assert not done or min(others) < done[0], (ends, done)
+        assert max(others) - t0 < limits.poll_s + limits.grace_s + 1.0 + 2, (ends, t0)
+        return
+    assert done and ends[2] >= done[0] and min(others) >= done[0], (ends, done)
+    assert (tmp_path / "hang" / watchdog.ENDED).exists()
+    assert max(others) - done[0] < 1.0, (ends, done)  # the word is seen within a poll or so
+
+
 def _stopped_store():
     """A TCPStore server in a process of its own, and a stop() that SIGSTOPs it (rank 0's process holds the
     server of a job's store). Returns (client, process)."""

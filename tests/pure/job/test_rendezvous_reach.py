@@ -133,10 +133,14 @@ def test_mpi_identity_counts_hosts():
 
 # --- real sockets ----------------------------------------------------------------------------------------------
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _closed_port() -> socket.socket:
+    """A port nobody listens on that stays ours while the test dials it: bound, never listening (a connect meets a
+    reset). A port closed before the dial is free for any process's next ephemeral bind, and gloo listens on
+    ephemeral ports: a rank of a test beside this one may take it, and the retried dials then reach that rank's gloo
+    pair (the suspect of CI-30, where a 4-rank worker's gloo pairs were closed by a peer mid-training)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @pytest.mark.faults
@@ -144,13 +148,14 @@ def test_closed_port_fails_within_connect_timeout(tmp_path):
     """Rank 1 finds rank 0's published address, but nothing listens there (rank 0 died): it gives up after
     parallel.connect_timeout_s (2 s), naming address and port, although the collective timeout is 600 s."""
     ident = Identity(1, 2, 1, 0, "n1", 1, "slurm", "reach", socket.gethostname())
-    port = _closed_port()
+    held = _closed_port()
+    port = held.getsockname()[1]
     info = {"addr": "127.0.0.1", "port": port, "host": ident.host, "secret": "0" * 32, "source": "every rank on "
             "one host"}
     rendezvous._write_private(rendezvous._rendezvous_file(ident, tmp_path), json.dumps(info))
     import torch.distributed  # noqa: F401 -- imported before the clock starts (seconds of its own here)
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError) as e:
+    with held, pytest.raises(TimeoutError) as e:
         rendezvous.init_distributed(ident, "gloo", 600, "", tmp_path, connect_timeout_s=2)
     took = time.monotonic() - t0
     assert 2 <= took < 5, took

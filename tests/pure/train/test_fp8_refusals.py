@@ -6,6 +6,9 @@ a machine without torchao. The float8 layers themselves need a GPU (tests/device
 """
 from __future__ import annotations
 
+import configparser
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -37,3 +40,13 @@ def test_the_device_check_names_what_is_missing() -> None:
     with pytest.raises(ValueError, match="train.precision = 'fp8' on a cpu device"):
         check_precision("fp8", torch.device("cpu"))
     check_precision("bf16", torch.device("cpu"))  # the others pass on a CPU
+
+
+def test_the_extra_the_message_names_is_declared() -> None:
+    """`pip install 'hpctrain[fp8]'` installs torchao: the extra sits in [options.extras_require] (it once sat under
+    [tool:pytest], where pip never looks and pytest warned of an unknown option)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[3] / "setup.cfg")
+    extras = {k: v.split() for k, v in cfg["options.extras_require"].items()}
+    assert any(r.startswith("torchao") for r in extras.get("fp8", [])), extras
+    assert "fp8" not in cfg["tool:pytest"], dict(cfg["tool:pytest"])
