@@ -5,9 +5,8 @@ measure, on a calibrated CPU profile, for a few layouts: data parallel (DDP), FS
     python benchmarks/planner_cpu_time.py [--rounds 8] [--profile FILE]
 
 The profile comes from the product's own calibration, on other model shapes than these layouts: `hpctrain plan
---calibrate` (one rank, one thread, as each rank here), unless --profile names one; the host's work per tensor-
-parallel block, which the one-rank calibration leaves unknown, is derived here from 2-rank tp runs of a model too
-small for its compute to count (2 and 8 blocks: the slope of measured minus predicted). Each round measures,
+--calibrate --ranks 2` (two ranks at once, one thread each, as here; tensor parallel's host work from its own tp
+probes), unless --profile names one. Each round measures,
 beside the steps it predicts, the GEMM probe's rate with every rank probing at once (the peak) and `hpctrain
 bench`'s all_reduce bus bandwidth on the job's ranks at the sizes the layout's collectives move (the link); probes
 and steps alternate which goes first.
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +47,6 @@ CASES = [
     {"name": "pp2_1f1b", "overrides": ["parallel.pp=2", "train.grad_accum=4", "train.micro_batch_size=1"]},
 ]
 TOLERANCE = 0.25
-TINY_MODEL = ["model.dim=64", "model.n_heads=2", "model.max_seq_len=64", "data.seq_len=64", "train.micro_batch_size=2"]
 
 
 def config(overrides: list[str]):
@@ -84,17 +81,6 @@ def run_ranks(out: Path, cases: list[dict], world: int, rounds: int) -> dict:
     return json.loads((out / "times.json").read_text())
 
 
-def tp_block_s(base: hardware.Hardware, rounds: int) -> float:
-    """Host seconds per tensor-parallel block and micro-batch: 2-rank tp runs with 2 and 8 tiny blocks."""
-    cases = [{"name": f"L{n}", "overrides": TINY_MODEL + [f"model.n_layers={n}", "parallel.tp=2"]} for n in (2, 8)]
-    with tempfile.TemporaryDirectory() as out:
-        got = run_ranks(Path(out), cases, 2, rounds)
-    left = [statistics.median(r["step_s"] - predict(c["overrides"], r, base, host=False,
-                                                    host_tp_block_s=0.0).step_time_s
-                              for r in got[c["name"]]["rounds"]) for c in cases]
-    return max(0.0, (left[1] - left[0]) / 6)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
@@ -104,24 +90,23 @@ def main() -> None:
     path = args.profile or str(RESULTS / "planner_cpu_time-profile.json")
     if not args.profile:
         subprocess.run([sys.executable, "-m", "hpctrain.cli", "plan", str(HERE.parent / "slurm/examples/tiny-cpu.toml"),
-                        "--calibrate", "-o", path], check=True, cwd=HERE.parent)
+                        "--calibrate", "--ranks", "2", "-o", path], check=True, cwd=HERE.parent)
     base = hardware.load_profile(path)
-    tp_block = tp_block_s(base, args.rounds)
     print(f"# profile {path}: {base.source}; efficiency {base.efficiency:.3f}, host block {base.host_block_s:.5f} s, "
-          f"step {base.host_step_s:.5f} s; tp block (derived here) {tp_block:.5f} s", flush=True)
+          f"step {base.host_step_s:.5f} s, tp block {base.host_tp_block_s:.5f} s", flush=True)
     with tempfile.TemporaryDirectory() as out:
         got = run_ranks(Path(out), [c | {"overrides": MODEL + c["overrides"]} for c in CASES], 2, args.rounds)
     verdicts, detail = [], {}
     for case in CASES:
         rounds = got[case["name"]]["rounds"]
-        pred = [predict(MODEL + case["overrides"], r, base, host_tp_block_s=tp_block) for r in rounds]
+        pred = [predict(MODEL + case["overrides"], r, base) for r in rounds]
         ratios = [p.step_time_s / r["step_s"] for p, r in zip(pred, rounds)]
         verdicts.append(verdict("planner_cpu_time", f"{case['name']} predicted / measured step", ratios, TOLERANCE,
                                 better="within", center=1.0, note="planner step time vs 2 CPU ranks"))
         detail[case["name"]] = {"rounds": rounds, "predicted_s": [p.step_time_s for p in pred],
                                 "terms_round1": pred[0].terms}
-    write_results("planner_cpu_time.json", {"profile": hardware.profile_json(base), "host_tp_block_s": tp_block,
-                                            "cases": detail, "verdicts": verdicts})
+    write_results("planner_cpu_time.json", {"profile": hardware.profile_json(base), "cases": detail,
+                                            "verdicts": verdicts})
 
 
 if __name__ == "__main__":

@@ -258,6 +258,9 @@ def _bench_argv(ctx: click.Context) -> list[str]:
               "files add the link bandwidths. Takes a few minutes.")
 @click.option("-o", "--out", default="hw-profile.json", show_default=True, type=click.Path(dir_okay=False),
               help="With --calibrate: the profile file to write.")
+@click.option("--ranks", type=int, default=None, help="With --calibrate: the ranks that will share this host; they "
+              "are measured running at once, tensor parallel on CONFIG's tp (default: CONFIG's ranks for a CPU job, "
+              "else 1: one rank with every thread).")
 @click.option("--hw", "figures", multiple=True, metavar="KEY=VALUE", help="Replace a figure of the profile "
               "(repeatable): memory_gib, intra_node_gbps, inter_node_gbps, gpus_per_node, peak_<dtype>.")
 @click.option("--bench", "bench_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -271,7 +274,7 @@ def _bench_argv(ctx: click.Context) -> list[str]:
               "node for its model and global batch; rank those that fit by predicted throughput.")
 @user_errors
 def plan(config: str, overrides: tuple[str, ...], gpu: str | None, profile_file: str | None, calibrate: bool,
-         out: str, figures: tuple[str, ...], bench_files: tuple[str, ...], storage_gbps: float,
+         out: str, ranks: int | None, figures: tuple[str, ...], bench_files: tuple[str, ...], storage_gbps: float,
          node_mtbf_h: float | None, as_json: bool, do_search: bool) -> None:
     """Predict what CONFIG's layout costs per GPU (memory, step time, throughput, MFU) and what its checkpoints
     cost, before any GPU time is spent; --search ranks every layout instead; --calibrate measures this machine."""
@@ -281,10 +284,15 @@ def plan(config: str, overrides: tuple[str, ...], gpu: str | None, profile_file:
 
     if calibrate:
         from hpctrain.train import calibrate as calibration
+        job = _load(config, overrides)
+        cpu_job = job.job.gpus_per_node == 0
+        if ranks is None:
+            ranks = job.job.nodes * job.job.tasks_per_node if cpu_job else 1
+        tp = job.parallel.tp if ranks > 1 else 1
         try:
             links = {k: v for f in bench_files for k, v in
                      hardware.bandwidths_from_bench(f, world_is_one_node=True).items()}
-            hw = calibration.calibrate(links, echo=lambda line: click.echo(line, err=True))
+            hw = calibration.calibrate(links, echo=lambda line: click.echo(line, err=True), ranks=ranks, tp=tp)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
         hardware.save_profile(hw, out)

@@ -32,7 +32,7 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # "fp32": plain FP32 (no TF32)
 NUMBERS = ("memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
 LINKS = ("intra_node_gbps", "inter_node_gbps")  # unknown (None) on a calibration made without `hpctrain bench`
 # what a calibration measures besides the peak (hpctrain/train/calibrate.py); None: not calibrated
-CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s")
+CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s", "host_tp_token_s")
 OPTIONAL = ("host_link_gbps", "host_memory_gbps")  # figures a profile may lack (None): their terms say so
 OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES) + CALIBRATED + OPTIONAL
 CPU = "cpu"  # the name a CPU job's profile goes by: there is no datasheet for it, only a calibration
@@ -60,11 +60,19 @@ class Hardware:
     host_block_s: float | None = None
     host_tp_block_s: float | None = None
     host_step_s: float | None = None
+    # under tensor parallel, seconds per token, per unit of a rank's model width (dim / tp) and per block, that grow
+    # with the activations beyond what the links' bandwidth takes (the redistributions' copies, the collectives'
+    # slower rate at an activation's size than at the link's): measured with several ranks (--ranks), None else
+    host_tp_token_s: float | None = None
     # per GPU, per direction, between the GPU and host memory (GB/s: PCIe); what CPU offload moves over it
     host_link_gbps: float | None = None
     # per node, the host memory's bandwidth (GB/s) that an offloaded AdamW step streams through; no datasheet has
     # it (a node property): None unless given (--hw host_memory_gbps=...), and the host step is then not timed
     host_memory_gbps: float | None = None
+    # a CPU calibration made with several ranks at once (`hpctrain plan --calibrate --ranks N`): every figure is one
+    # rank's, measured while N ranks shared the host (the GEMM rate with all of them probing, the links between
+    # them); None: one rank with every thread, the host's whole figures (planner/report.time_estimate shares them)
+    ranks_per_host: int | None = None
 
     def __post_init__(self) -> None:
         peaks = dict(self.peak_tflops)
@@ -88,6 +96,9 @@ class Hardware:
                     value <= 0 if key == "efficiency" else value < 0) or (key == "efficiency" and value > 1):
                 rule = "in (0, 1]" if key == "efficiency" else "a finite number of seconds >= 0"
                 raise ValueError(f"{self.name}: {key}={value!r} must be {rule}")
+        if self.ranks_per_host is not None and (not isinstance(self.ranks_per_host, int) or isinstance(
+                self.ranks_per_host, bool) or self.ranks_per_host < 1):
+            raise ValueError(f"{self.name}: ranks_per_host={self.ranks_per_host!r} must be a whole number >= 1")
         if not isinstance(self.gpus_per_node, int):
             raise ValueError(f"{self.name}: gpus_per_node={self.gpus_per_node!r} must be a whole number")
         object.__setattr__(self, "peak_tflops", MappingProxyType(peaks))  # profiles are shared: read-only

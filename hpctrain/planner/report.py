@@ -62,18 +62,27 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
     (parallel/data.py); ZeRO-1 all-reduces and broadcasts. A measured (calibrated CPU) profile is one host that
     runs every rank of the job (a local run, or the local Slurm cluster's nodes): its GEMM rate is the host's,
     shared by the ranks, and more ranks than cores slow the host's own work as much, unless peak_per_rank (a
-    rate each rank measured with the others computing, one rank per core); it takes the calibrated efficiency
+    rate each rank measured with the others computing, one rank per core). A profile calibrated with several ranks
+    at once (Hardware.ranks_per_host) holds one rank's figures at that crowding: they stand as they are for a job
+    as crowded (ranks per core), and scale with the ratio of the crowdings otherwise. It takes the calibrated efficiency
     and, unless host=False, the host's per-block and per-step work (Hardware.host_*_s)."""
     p, t, lay = cfg.parallel, cfg.train, plan.layout
-    cpu = {"block": 0.0, "tp_block": 0.0, "step": 0.0}
+    cpu = {"block": 0.0, "tp_block": 0.0, "step": 0.0, "token": 0.0}
     if hw.measured and host:
         if lay.tp > 1 and hw.host_tp_block_s is None:
             raise ValueError(f"{hw.name}: the host's work per tensor-parallel block is not calibrated (tp = "
-                             f"{lay.tp}); give --hw host_tp_block_s=SECONDS, or plan with tp = 1")
-        cpu = {"block": hw.host_block_s or 0.0, "tp_block": hw.host_tp_block_s or 0.0, "step": hw.host_step_s or 0.0}
+                             f"{lay.tp}): calibrate with the job's ranks at once (`hpctrain plan CONFIG --calibrate "
+                             f"--ranks N`), give --hw host_tp_block_s=SECONDS, or plan with tp = 1")
+        cpu = {"block": hw.host_block_s or 0.0, "tp_block": hw.host_tp_block_s or 0.0, "step": hw.host_step_s or 0.0,
+               "token": hw.host_tp_token_s or 0.0}
     if hw.measured and not peak_per_rank:
-        hw = hw.with_overrides(**{f"peak_{d}": v / lay.world_size for d, v in hw.peak_tflops.items()})
         crowd = max(1.0, lay.world_size / hw.gpus_per_node)  # ranks per core (gpus_per_node: the host's cores)
+        if hw.ranks_per_host is None:  # the host's whole GEMM rate, shared by the ranks
+            share = lay.world_size
+        else:  # one rank's figures with ranks_per_host ranks at once: as crowded as they were, or scaled to this
+            share = crowd / max(1.0, hw.ranks_per_host / hw.gpus_per_node)
+            crowd = share
+        hw = hw.with_overrides(**{f"peak_{d}": v / share for d, v in hw.peak_tflops.items()})
         cpu = {k: v * crowd for k, v in cpu.items()}  # host work is CPU time too
     return timing.estimate(timing.Shape.of(plan.dims), hw, seq_len=cfg.data.seq_len, global_batch=plan.global_batch,
                            micro_batch=plan.micro_batch, tp=lay.tp, pp=lay.pp, dp=lay.data, cp=lay.cp,
@@ -89,7 +98,8 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, efficiency=hw.efficiency,
                            tp_projections="fused" if plan.dims.fused_projections else "separate",
-                           host_block_s=cpu["tp_block" if lay.tp > 1 else "block"], host_step_s=cpu["step"])
+                           host_block_s=cpu["tp_block" if lay.tp > 1 else "block"], host_step_s=cpu["step"],
+                           host_token_s=cpu["token"] if lay.tp > 1 else 0.0)
 
 
 def evaluate(cfg: Config, hw: Hardware, storage_gbps: float, node_mtbf_h: float = NODE_MTBF_H,

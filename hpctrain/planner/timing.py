@@ -58,8 +58,9 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   further bucket), exposed. The optimizer's step on the host, exposed, where the host memory's bandwidth per node
   is given (Hardware.host_memory_gbps: HOST_ADAMW_BYTES per parameter of the node's ranks); without it, not
   modelled.
-- host: host_step_s + host_block_s x blocks x m, the host's own work where it does not overlap the compute (0 on
-  GPUs; a CPU calibration's Hardware.host_*_s).
+- host: host_step_s + (host_block_s + host_token_s x b s / cp x d / t) x blocks x m, the host's own work where it
+  does not overlap the compute (0 on GPUs; a CPU calibration's Hardware.host_*_s): per step, per block and
+  micro-batch, and (tensor parallel's, Hardware.host_tp_token_s) per token and unit of the rank's width.
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
 optimistic on datasheet profiles. Not modelled: the optimizer step (apart from a CPU's host terms), data loading,
 collectives slowing concurrent GEMMs, kernel launch gaps, stragglers, network congestion. fp8 takes the fp8 peak
@@ -193,12 +194,13 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              sequence_parallel: bool = False, recompute: str = "none", ac_every: int = 2, precision: str = "bf16",
              reduce_dtype: str = "fp32", tp_overlap: bool = False, dp_overlap: bool = True,
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
-             host_step_s: float = 0.0, accumulate_unsharded: bool = False,
+             host_step_s: float = 0.0, host_token_s: float = 0.0, accumulate_unsharded: bool = False,
              zero1_broadcast: bool = False, cp: int = 1, offload: str = "none", dp_replicate: int = 1,
              ddp_bucket_mb: float | None = None) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
-    host_block_s and host_step_s: host work that does not overlap the compute (a CPU's, see Hardware.host_*_s), per
-    block and micro-batch on the busiest stage and per step. accumulate_unsharded: ZeRO-3 accumulates whole
+    host_block_s, host_token_s and host_step_s: host work that does not overlap the compute (a CPU's, see
+    Hardware.host_*_s), per block and micro-batch on the busiest stage, per token and unit of width besides, and per
+    step. accumulate_unsharded: ZeRO-3 accumulates whole
     gradients over the micro-batches and reduce-scatters once per step (hpctrain's FSDP without pipeline parallel).
     zero1_broadcast: ZeRO-1 all-reduces the gradients and broadcasts the updated fp32 parameters from their owners
     (hpctrain's ZeroOne, torch's ZeroRedundancyOptimizer) instead of Megatron's reduce-scatter and all-gather.
@@ -326,7 +328,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
             offload_comm = 2 * down + host_step
             offload_exposed = (2 * down + host_step) / buckets + (buckets - 1) * max(down, host_step) / buckets
 
-    host = host_step_s + host_block_s * blocks * m
+    host = host_step_s + (host_block_s + host_token_s * micro_batch * seq_len / cp * shape.dim / tp) * blocks * m
     step = compute + bubble + tp_exposed + dp_exposed + p2p + ring_exposed + offload_exposed + host
     model_flops = flops_per_token(shape.n_layers, shape.dim, shape.ffn_dim, shape.n_heads, shape.n_kv_heads,
                                   shape.vocab, seq_len, shape.mlp)

@@ -85,6 +85,8 @@ def a_watchdog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step:
     ended: list[str] = []
     monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
     monkeypatch.setattr(ending, "ENDING", threading.Event())  # this process's own stays clear
+    # a request "from another rank" here has no first rank behind it to say its requeue is done (hang/ended)
+    monkeypatch.setattr(watchdog, "END_WAIT_S", 0.5)
     hb = Heartbeat(tmp_path, 2, {"node": "n1"})
     hb.begin_step(step)
     hb.enter(phase, "all_reduce of the loss on dp" if phase == "collective" else "")
