@@ -23,22 +23,11 @@ from hpctrain.bench import harness  # noqa: E402
 from hpctrain.bench import job as benchjob
 from hpctrain.bench.gemm import measure_gemm  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.job import session
+from hpctrain.job import session  # noqa: E402
+from hpctrain.train.calibrate import busbw  # noqa: E402
 from hpctrain.train.trainer import Trainer  # noqa: E402
 
 STEPS, GEMM_N = 2, 1024
-
-
-def busbw(s: session.Session, sizes: list[int]) -> dict[int, float]:
-    """all_reduce bus bandwidth (GB/s, in place, slowest rank: -a 3) on the world group at each size."""
-    import torch
-    opts = harness.Options(colls=["all_reduce"], sizes=sizes, iters=20, warmup=3, average=3)
-    ctx = benchjob.make_ctx(s, opts)
-    world_max, world_sum, barrier = benchjob.world_control(opts, torch.device("cpu"))
-    rows = harness.run_benchmark(opts, ctx, torch.device("cpu"), world_max, world_sum, barrier)
-    done = [r.inp or r.out for r in rows]  # torch's all_reduce runs in place
-    assert not any(d["wrong"] for d in done), "all_reduce results were wrong"
-    return {size: d["busbw"] for size, d in zip(sizes, done)}
 
 
 def main(out: str, cases_json: str, base_port: int, rounds: int) -> None:
@@ -62,7 +51,7 @@ def main(out: str, cases_json: str, base_port: int, rounds: int) -> None:
                         # max (-a 3) of -gemm: the slowest rank's rate
                         control = benchjob.world_control(harness.Options(colls=[], sizes=[], average=3), s.device)
                         got["gemm_tflops"] = -control[0](-gemm)
-                        got["busbw_gbps"] = {str(k): v for k, v in busbw(s, case["sizes"]).items()}
+                        got["busbw_gbps"] = {str(k): v for k, v in busbw(s, case["sizes"], iters=20).items()}
                     else:
                         t0 = time.perf_counter()
                         for _ in range(STEPS):

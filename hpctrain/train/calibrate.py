@@ -102,21 +102,22 @@ def rank_cases(tp: int) -> list[dict]:
     return cases + [{"name": name, "overrides": overrides} for name, overrides in EFFICIENCY_SHAPES.items()]
 
 
-def _busbw(s, size: int) -> float:
-    """all_reduce bus bandwidth (GB/s, the slowest rank's) over the world at `size` bytes: `hpctrain bench`'s."""
+def busbw(s, sizes: list[int], iters: int = 10) -> dict[int, float]:
+    """all_reduce bus bandwidth (GB/s, in place, the slowest rank's) over the world at each size in bytes:
+    `hpctrain bench`'s harness, results checked."""
     import torch
 
     from hpctrain.bench import harness
     from hpctrain.bench import job as benchjob
 
-    opts = harness.Options(colls=["all_reduce"], sizes=[size], iters=10, warmup=2, average=3, placements=("in",))
+    opts = harness.Options(colls=["all_reduce"], sizes=sizes, iters=iters, warmup=2, average=3, placements=("in",))
     ctx = benchjob.make_ctx(s, opts)
     world_max, world_sum, barrier = benchjob.world_control(opts, torch.device("cpu"))
-    (row,) = harness.run_benchmark(opts, ctx, torch.device("cpu"), world_max, world_sum, barrier)
-    done = row.inp or row.out
-    if done["wrong"]:
+    done = [row.inp or row.out for row in harness.run_benchmark(opts, ctx, torch.device("cpu"), world_max,
+                                                                world_sum, barrier)]
+    if any(d["wrong"] for d in done):
         raise RuntimeError("the calibration's all_reduce returned wrong values")
-    return done["busbw"]
+    return {size: d["busbw"] for size, d in zip(sizes, done)}
 
 
 def rank_main(out: str, cases_json: str, base_port: int, rounds: int) -> None:
@@ -144,7 +145,7 @@ def rank_main(out: str, cases_json: str, base_port: int, rounds: int) -> None:
                 rate = torch.tensor([measure_gemm(torch.float32, PROBE_N, torch.device("cpu"),
                                                   min_time_s=0.2)["tflops"]])
                 dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-                link = _busbw(s, LINK_BYTES)
+                link = busbw(s, [LINK_BYTES])[LINK_BYTES]
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(STEPS):
