@@ -33,7 +33,7 @@ NUMBERS = ("memory_gib", "intra_node_gbps", "inter_node_gbps", "gpus_per_node")
 LINKS = ("intra_node_gbps", "inter_node_gbps")  # unknown (None) on a calibration made without `hpctrain bench`
 # what a calibration measures besides the peak (hpctrain/train/calibrate.py); None: not calibrated
 CALIBRATED = ("efficiency", "host_block_s", "host_tp_block_s", "host_step_s", "host_tp_token_s")
-OPTIONAL = ("host_link_gbps", "host_memory_gbps")  # figures a profile may lack (None): their terms say so
+OPTIONAL = ("host_link_gbps", "host_memory_gbps", "hbm_gbps")  # figures a profile may lack (None)
 OVERRIDABLE = NUMBERS + tuple(f"peak_{d}" for d in DTYPES) + CALIBRATED + OPTIONAL
 CPU = "cpu"  # the name a CPU job's profile goes by: there is no datasheet for it, only a calibration
 
@@ -69,6 +69,10 @@ class Hardware:
     # per node, the host memory's bandwidth (GB/s) that an offloaded AdamW step streams through; no datasheet has
     # it (a node property): None unless given (--hw host_memory_gbps=...), and the host step is then not timed
     host_memory_gbps: float | None = None
+    # the GPU memory's bandwidth (GB/s, datasheet): a GEMM too narrow to reach the compute rate (its bytes take
+    # longer at this rate than its FLOPs at the achievable peak) runs at it instead; None (CPU calibrations: this
+    # CPU's GEMM rate measured no shape effect down to 1024 x 64 x 128): not modelled
+    hbm_gbps: float | None = None
     # a CPU calibration made with several ranks at once (`hpctrain plan --calibrate --ranks N`): every figure is one
     # rank's, measured while N ranks shared the host (the GEMM rate with all of them probing, the links between
     # them); None: one rank with every thread, the host's whole figures (planner/report.time_estimate shares them)
@@ -208,26 +212,29 @@ _DS = DATASHEET_TFLOPS
 #     nd-mi300x-v5-series.md): 8 MI300X of 192 GB, InfiniBand 8 x 400 Gb NDR. Confirmed: peaks, memory, link count,
 #     network. 128 GB/s per xGMI link (-> 64 per direction): not found in a primary source here (secondary pages
 #     disagree); value from the AMD MI300X datasheet as remembered.
+#   hbm_gbps (GPU memory bandwidth, per GPU or GCD) from the same tables: A100 40 GB 1,555 and 80 GB 2,039 GB/s;
+#     H100 SXM 3.35 TB/s, PCIe 2 TB/s; H200 4.8 TB/s; HGX B200 8 TB/s; MI250X 3.2 TB/s per package (3,276.8 GB/s,
+#     halved per GCD); MI300X 5.3 TB/s.
 _NV = "NVIDIA"
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     Hardware("a100-40g", _DS["NVIDIA A100 SXM"], 40, 300, 25, 8,
-             f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU", host_link_gbps=32),
+             f"{_NV} A100 datasheet (SXM 40GB); NVLink 3; HDR 200 Gb/s per GPU", host_link_gbps=32, hbm_gbps=1555),
     Hardware("a100-80g", _DS["NVIDIA A100 SXM"], 80, 300, 25, 8,
-             f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU", host_link_gbps=32),
+             f"{_NV} A100 datasheet (SXM 80GB); NVLink 3; HDR 200 Gb/s per GPU", host_link_gbps=32, hbm_gbps=2039),
     Hardware("h100-sxm", _DS["NVIDIA H100 SXM"], 80, 450, 50, 8,
-             f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU", host_link_gbps=64),
+             f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU", host_link_gbps=64, hbm_gbps=3350),
     Hardware("h100-pcie", _DS["NVIDIA H100 PCIe"], 80, 64, 50, 8,
-             f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s", host_link_gbps=64),
+             f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s", host_link_gbps=64, hbm_gbps=2000),
     Hardware("h200", _DS["NVIDIA H200"], 141, 450, 50, 8,
-             f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU"),
+             f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU", hbm_gbps=4800),
     # Blackwell datasheet HGX B200 column: 180 GB per GPU; DGX B200: 8 x ConnectX-7 400 Gb/s (sources above)
     Hardware("b200", _DS["NVIDIA B200"], 180, 900, 50, 8,
-             f"{_NV} Blackwell datasheet (HGX B200); DGX BasePOD RA; NVLink 5"),
+             f"{_NV} Blackwell datasheet (HGX B200); DGX BasePOD RA; NVLink 5", hbm_gbps=8000),
     # 128 GB per package, 64 GB per GCD; 8 GCDs (4 packages) per node
     Hardware("mi250x", _DS["AMD Instinct MI250X"], 64, 50, 12.5, 8, "AMD Instinct MI250X datasheet, per GCD; ROCm "
-             "MI250 microarchitecture (xGMI); HPE Cray EX node (Slingshot 200 Gb/s per package)"),
+             "MI250 microarchitecture (xGMI); HPE Cray EX node (Slingshot 200 Gb/s per package)", hbm_gbps=1638.4),
     Hardware("mi300x", _DS["AMD Instinct MI300X"], 192, 448, 50, 8,
-             "ROCm MI300 microarchitecture; 8-GPU xGMI; 400 Gb/s/GPU"),
+             "ROCm MI300 microarchitecture; 8-GPU xGMI; 400 Gb/s/GPU", hbm_gbps=5300),
 )}
 
 

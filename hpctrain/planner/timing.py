@@ -18,6 +18,13 @@ FLOPs per token (a token of one sequence of length s; d = dim, L = layers, V = v
 Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-batches of b sequences):
 - compute = the stage's hardware FLOPs / (EFFICIENCY x dense peak of the precision's matmul dtype). The stage runs
   max(ceil(L / (p v)) v blocks, (L blocks + head) / p): whole layers, the head balanced as BLOOM and Llama 3 did.
+- narrow GEMMs: a block's matmul of T = b s / cp tokens (sequence parallel gathers them) by k by n (n or k the tp
+  shard) moves e (T k + k n + T n) bytes (e: the activations' bytes); where those take longer at the profile's GPU
+  memory bandwidth (Hardware.hbm_gbps, datasheet) than its 2 T k n FLOPs at the achievable peak, the matmul runs at
+  the memory's rate: the difference, for forward, both backward matmuls and a recomputed forward, is added to the
+  compute (basis["gemm_memory_s"] says how much). Nil for every published run here (their shards are hundreds of
+  columns wide over thousands of tokens); it is what makes a small model or a narrow tp shard run below the
+  large-GEMM rate.
 - bubble = compute x (p - 1) / (v m) for GPipe, 1F1B and interleaved (= StagePlan.bubble_theory's idle share
   (p-1)/(vm+p-1) of the step, reimplemented: parallel/pipeline imports torch); 0 for zero-bubble schedules.
 - tensor parallel, per block and micro-batch: 2 all-reduces forward + 2 backward (+2 per recomputed block) of
@@ -161,6 +168,27 @@ def hardware_flops_per_token(shape: Shape, seq_len: int, recompute: str = "none"
     return shape.n_layers * block_flops(shape, seq_len, recompute, ac_every) + 6.0 * shape.vocab * shape.dim
 
 
+def block_gemms(shape: Shape, tokens: float, tp: int) -> list[tuple[float, float, float]]:
+    """One block's forward matmuls on a tp rank, as (m, k, n): q, k, v (or one fused q/k/v), o, the MLP's up/gate
+    (or one fused) and down; the tp shard is n for column-parallel ones, k for row-parallel ones."""
+    head_dim = shape.dim // shape.n_heads
+    q, kv, d, f = shape.n_heads * head_dim, shape.n_kv_heads * head_dim, shape.dim, shape.ffn_dim
+    up = 2 if shape.mlp == "swiglu" else 1
+    if shape.fused:
+        column = [(tokens, d, (q + 2 * kv) / tp), (tokens, d, up * f / tp)]
+    else:
+        column = [(tokens, d, q / tp), (tokens, d, kv / tp), (tokens, d, kv / tp)] + [(tokens, d, f / tp)] * up
+    return column + [(tokens, q / tp, d), (tokens, f / tp, d)]
+
+
+def narrow_gemm_s(shape: Shape, tokens: float, tp: int, peak_flops: float, hbm_bytes_per_s: float,
+                  element_bytes: int) -> float:
+    """Seconds one block's forward matmuls take beyond their FLOPs at peak_flops because their bytes take longer
+    at hbm_bytes_per_s (the roofline's memory side), summed; 0 for matmuls wide enough to be compute-bound."""
+    return sum(max(0.0, element_bytes * (m * k + k * n + m * n) / hbm_bytes_per_s - 2.0 * m * k * n / peak_flops)
+               for m, k, n in block_gemms(shape, tokens, tp))
+
+
 def bubble_fraction(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
     """Pipeline idle time over busy time, (p - 1) / (v m) (GPipe: v = 1); StagePlan.bubble_theory gives the same
     bubble as a share of the whole step, (p-1)/(vm+p-1). Zero-bubble schedules: 0 (their ideal)."""
@@ -241,6 +269,12 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
 
     block = block_flops(shape, seq_len, recompute, ac_every)
     compute = max(blocks * block, (shape.n_layers * block + head) / pp) * tokens / tp / peak
+    narrow = 0.0
+    if hw.hbm_gbps is not None:  # forward, two backward matmuls per forward one, and recomputed forwards
+        passes = 3 + recomputed_share(shape.n_layers, recompute, ac_every)
+        narrow = passes * blocks * m * narrow_gemm_s(shape, micro_batch * seq_len / cp, tp, peak, hw.hbm_gbps * 1e9,
+                                                     ACT_BYTES[precision])
+    compute += narrow
     bubble = bubble_fraction(pp, m, v, schedule) * compute
 
     micro_bytes = micro_batch * seq_len / cp * shape.dim * act  # one micro-batch's activations, b s d (/ cp)
@@ -343,7 +377,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              "p2p_s": p2p, "cp_comm_s": ring_exposed,
              "cp_comm_total_s": ring_comm, "offload_s": offload_exposed, "offload_total_s": offload_comm,
              "host_s": host}
-    basis = {"microbatches": m, "blocks_on_busiest_stage": blocks, "efficiency": eff, "tp_link_gbps": tp_link / 1e9,
+    basis = {"microbatches": m, "blocks_on_busiest_stage": blocks, "efficiency": eff,
+             "gemm_memory_s": narrow, "tp_link_gbps": tp_link / 1e9,
              "dp_link_gbps": dp_link / 1e9}
     return TimeEstimate(step, job_tokens, model_tflops, hw_tflops, model_tflops / dense, hw_tflops / dense, terms,
                         basis)
