@@ -51,6 +51,11 @@ class Config:
               "matmuls (H100, H200, B200) but job.gpus_per_node = 0: a CPU has none; train in bf16 or fp32")
         check(t.precision != "fp8" or p.tp == 1, f"train.precision = 'fp8' with parallel.tp = {p.tp}: float8 "
               f"tensor-parallel layers are not supported; use tp = 1 (with FSDP, pp or cp), or bf16 with tp")
+        # torch 2.13's zero-bubble schedules split each stage's backward into input and weight parts, which a
+        # compiled module's one backward graph cannot give (ScheduleZBVZeroBubble raises on an OptimizedModule)
+        check(not (t.compile and p.pp > 1 and p.pp_schedule in ("zbv", "interleaved_zero_bubble")),
+              f"train.compile = true with parallel.pp_schedule = {p.pp_schedule!r}: torch's zero-bubble schedules "
+              f"split each block's backward, which a compiled block cannot; use interleaved_1f1b, or eager blocks")
         if p.cp > 1:  # each rank holds an early and a late chunk of every sequence (causal load balance)
             check(self.data.seq_len % (2 * p.cp) == 0, f"data.seq_len = {self.data.seq_len} must be divisible by "
                   f"2 x parallel.cp = {2 * p.cp}: each context-parallel rank holds two equal chunks of every sequence")

@@ -28,6 +28,12 @@ def main(out: str, cases_json: str, base_port: int) -> None:
     errors = {}
     for i, case in enumerate(json.loads(cases_json)):
         os.environ["MASTER_PORT"] = str(base_port + i)
+        if "train.compile=true" in case["overrides"]:
+            # a job's process compiles one model; this one compiles a case after another, and dynamo's state from
+            # the earlier ones made inductor overflow Python's recursion limit on the eighth compiled case here
+            # (pp2 x tp2 with fused projections, which compiles alone): each case starts as a job's process does
+            import torch._dynamo
+            torch._dynamo.reset()
         try:
             with seams.gradient_mutation(case.get("mutation")):  # a case's deliberate bug, for this case only
                 run_case(case["overrides"], Path(out) / f"{case['name']}.pt", case.get("inject_inf_step", 0))

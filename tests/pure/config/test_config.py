@@ -146,6 +146,17 @@ def test_bad_value_is_refused_with_key_and_value(override, fragments):
     refused([override], *fragments)
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zero_bubble"])
+def test_compiled_blocks_refuse_the_zero_bubble_schedules(schedule):
+    """Found by compiling every layout of the equivalence suite: torch's ZBV schedule raises on compiled stage
+    modules (it splits each block's backward); refused at config load, before any GPU time."""
+    pp = ["parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.pp_virtual_stages=2", "model.n_layers=4",
+          "train.grad_accum=4"]
+    refused(pp + ["train.compile=true"], "train.compile = true", f"{schedule!r}", "interleaved_1f1b")
+    load_config(None, pp)  # eager: accepted
+    load_config(None, pp[:1] + ["parallel.pp_schedule=interleaved_1f1b"] + pp[2:] + ["train.compile=true"])
+
+
 def test_signal_delay_boundary():
     assert load_config(None, ["job.time_min=1", "job.signal_delay_s=59"]).job.signal_delay_s == 59
     refused(["job.time_min=1", "job.signal_delay_s=60"], "job.signal_delay_s = 60", "job.time_min = 1")
