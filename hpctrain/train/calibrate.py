@@ -12,17 +12,20 @@ What it measures, one rank in this process, every thread the process may use, RO
 Each step time is paired with the GEMM rate of its own round. The two estimates need each other (the host terms
 take the compute of the small models out, the efficiency the host terms of the large ones): they are solved by a
 few fixed-point passes over the same measurements. Links come from `hpctrain bench` files when given (an
-all_reduce run on this machine), else stay unknown; host_tp_block_s (tensor parallel's host work, which needs
-several ranks) stays unknown: the planner refuses tp > 1 on the profile until it is given (--hw).
+all_reduce run on this machine), else stay unknown; tensor parallel's host work (host_tp_block_s,
+host_tp_token_s), which needs several ranks, stays unknown: the planner refuses tp > 1 on the profile until it is
+given (--hw) or measured with --ranks.
 
 With ranks = N > 1 (`--ranks N`: the ranks a job will run on this host, as the bundled example's 4 on a laptop)
 the same probes run on N local processes at once (torchrun's variables, loopback), each with the threads a job's
 rank gets, so every figure is one rank's while N share the host (Hardware.ranks_per_host = N): the GEMM rate with
 every rank probing (the slowest rank's), the links (`hpctrain bench`'s all_reduce bus bandwidth over the N ranks at
 LINK_BYTES), the host's work per block and per step (tiny models on dp = N), per tensor-parallel block (tiny models
-on tp = the job's, dp = N / tp: its collectives' latency, which no bandwidth term holds, lands here), and the
-efficiency (the GEMM-bound shapes on dp = N). Crowded ranks are slower in every term than one rank with the host
-to itself; that is what the planner is then told.
+on tp = the job's, dp = N / tp: its collectives' latency, which no bandwidth term holds, lands here) and per token
+and unit of width under tp (WIDE on tp: host_tp_token_s, what tp's redistributions and its collectives' slower
+rate at an activation's size cost beyond the link term), and the efficiency (the GEMM-bound shapes on dp = N).
+Crowded ranks are slower in every term than one rank with the host to itself; that is what the planner is then
+told.
 
     hw = calibrate(links={}, echo=print)          # a measured Hardware named "cpu"
     hw = calibrate(links={}, ranks=4, tp=2)       # one rank's figures with 4 ranks on this host
