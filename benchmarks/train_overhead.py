@@ -3,10 +3,11 @@
     python benchmarks/train_overhead.py [--rounds 24] [--steps 3]
 
 The plain loop is what a user would write around the same hpctrain.model.transformer.Transformer: init_value weights,
-torch.optim.AdamW(foreach=True) with ours' settings (lr, betas, eps, weight decay on matrices only),
+torch.optim.AdamW(fused=True) with ours' settings (lr, betas, eps, weight decay on matrices only),
 F.cross_entropy, backward, clip_grad_norm_(foreach=True), step, batches from its own hpctrain.data.loader.TokenLoader
 with the same seed, so step i of both sees the same tokens and their losses must agree (checked). Ours builds
-AdamW with foreach=True (hpctrain.train.optim), so both sides run the same optimizer kernels.
+AdamW with fused=True (hpctrain.train.optim, since issue 30; foreach before), so both sides run the same optimizer
+kernels.
 
 Rule (benchmarks/README.md, _verdict.py): after --warmup untimed steps of each, --rounds rounds; in each round
 both loops run --steps steps back to back, which goes first alternating (_verdict.balanced); a round's ratio is
@@ -61,10 +62,10 @@ class Plain:
                 p.copy_(init_value(name, p.shape, self.dims, t.seed))
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         keep = [p for p in self.model.parameters() if p.ndim < 2]
-        # foreach=True as hpctrain.train.optim builds it (torch's CPU default would be the single-tensor loop)
+        # fused=True as hpctrain.train.optim builds it (torch's CPU default would be the single-tensor loop)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                       {"params": keep, "weight_decay": 0.0}],
-                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
+                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
         source = open_source(cfg.data, self.dims.true_vocab_size)  # as the Trainer opens it
         self.loader = data.TokenLoader(source, cfg.data.seq_len, t.micro_batch_size, 0, 1, t.seed)
         self.clip = t.grad_clip
@@ -130,7 +131,7 @@ def report(args, cfg, dims: ModelDims, threads, same_init: bool, losses, times, 
     checks_ok = same_init and loss_diff <= LOSS_TOL
     print(f"# Trainer.train_step vs plain PyTorch loop, 1 rank, {threads} threads, fp32, "
           f"{dims.num_params() / 1e6:.2f}M params, batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, "
-          f"{args.rounds} rounds of {args.steps} steps per side, order alternating, foreach AdamW on both sides")
+          f"{args.rounds} rounds of {args.steps} steps per side, order alternating, fused AdamW on both sides")
     print(f"# {'loop':<6} {'step s med':>10} {'tok/s med':>9} {'MFU med':>8}")
     for side, r in rows.items():
         print(f"  {side:<6} {r['step_s_median']:>10.4f} {r['tokens_per_s_median']:>9.0f} {r['mfu_median']:>8.1%}")
@@ -140,12 +141,12 @@ def report(args, cfg, dims: ModelDims, threads, same_init: bool, losses, times, 
     print(f"# checks: same initial weights {same_init}; {len(losses['ours'])} steps, max |loss ours - loss plain| "
           f"{loss_diff:.2e} (tol {LOSS_TOL:g})")
     rec = verdict("train_overhead", f"tokens/s ours / plain loop, 1 rank, {dims.num_params() / 1e6:.1f}M params",
-                  ratios, TARGET, note=f"foreach AdamW both sides, fp32, {threads} threads")
+                  ratios, TARGET, note=f"fused AdamW both sides, fp32, {threads} threads")
     print(f"# {elapsed:.0f} s")
     write_results("train_overhead.json", {
         "verdicts": [rec], "target": TARGET, "seconds": elapsed,
         "params": dims.num_params(), "batch": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len,
-        "threads": threads, "optimizer": "torch.optim.AdamW(foreach=True) both sides", "gemm_n": args.gemm_n,
+        "threads": threads, "optimizer": "torch.optim.AdamW(fused=True) both sides", "gemm_n": args.gemm_n,
         "gemm_tflops_best": peak, "flops_per_token": fpt, "same_init": same_init, "max_loss_diff": loss_diff,
         "loss_tol": LOSS_TOL, "rows": rows, "rounds": args.rounds, "steps_per_round": args.steps,
         "round_ratios": ratios, "times_s": times, "losses": losses,
