@@ -2,13 +2,14 @@
 eager, compiled blocks, compiled + selective recompute, compiled + float8; a Llama-3.1-8B-shaped model (dim 4096,
 32 heads, 8 KV heads, ffn 14336, vocab 128256, seq 8192, bf16) with --layers blocks.
 
-    python benchmarks/gpu_perf.py [--layers 4] [--rounds 6] [--steps 3] [--modes eager,compiled,...] [--gpu h100-sxm]
+    python benchmarks/gpu_perf.py [--layers N] [--rounds 6] [--steps 3] [--modes eager,compiled,...] [--gpu h100-sxm]
     python benchmarks/gpu_perf.py --tiny          # the same script on this CPU: a tiny fp32 model, eager and compiled
     bash tests/device/gpu_perf.sh                 # on a lent GPU: this script, its results under $OUT
 
-Both sides are resident at once (each round runs them back to back), so --layers is what fits twice: 4 on an
-80 GB H100 (each side ~2 B parameters with the embeddings, 16 bytes of states each). The plain loop is what a user
-writes around hpctrain.model.transformer.Transformer: the same init and data, bf16 autocast, AdamW(fused) with the
+Both sides are resident at once (each round runs them back to back), so --layers defaults to the most blocks
+whose two sides the planner fits within 90% of the GPU's memory (with the embeddings' 1 B parameters, 16 bytes of
+states a parameter: 1 block on an 80 GB H100, where 2 come to 72 of the 71 GiB allowed; 9 on an H200).
+The plain loop is what a user writes around hpctrain.model.transformer.Transformer: the same init and data, bf16 autocast, AdamW(fused) with the
 same groups, F.cross_entropy, clip_grad_norm_, and for each mode torch's own API: torch.compile of each block,
 torch.utils.checkpoint with a selective policy that keeps matmul and attention outputs, torchao's
 convert_to_float8_training on the blocks' linears. Ours is Trainer.train_step with train.compile, train.ac =
@@ -98,12 +99,12 @@ class Plain:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(t.fp8_scaling),
                                        module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
-        for i, block in enumerate(model.layers):
+        for name, block in list(model.layers.items()):
             if mode == "compiled_selective":
                 block = Checkpointed(block)
             if mode != "eager":
                 block = torch.compile(block)
-            model.layers[i] = block
+            model.layers[name] = block
         self.model = model
         decay = [p for p in model.parameters() if p.ndim >= 2]
         keep = [p for p in model.parameters() if p.ndim < 2]
@@ -168,9 +169,33 @@ def planner_tokens_per_s(cfg, gpu: str) -> float | None:
     return report.evaluate(cfg, hardware.profile(gpu), 5.0)["tokens_per_s"]
 
 
+def modes_of(args) -> list[str]:
+    return args.modes.split(",")
+
+
+def fitting_layers(base: list[str], modes: list[str], share: float = 0.9) -> int:
+    """The most blocks (up to 32) whose two resident sides the planner puts within `share` of this GPU's memory, in
+    the hungriest of the modes (its memory model is held within 1% of what ranks allocate): one side's whole
+    prediction and the other's states (one side computes at a time; its activations are gone between steps)."""
+    from hpctrain.planner import hardware, report
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    best = 1
+    for layers in range(1, 33):
+        need = 0.0
+        for m in modes:
+            if m in MODES:
+                got = report.evaluate(load_config(None, base + MODES[m] + [f"model.n_layers={layers}"]),
+                                      hardware.profile("h100-sxm", {"memory_gib": total}), 5.0)
+                need = max(need, 2 * got["memory_gib_per_gpu"] - got["activations_gib"])
+        if need > share * total:
+            break
+        best = layers
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=0, help="blocks (default: as many as fit twice, by the planner)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
@@ -178,11 +203,14 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100-sxm", help="the datasheet profile for MFU and the planner")
     ap.add_argument("--tiny", action="store_true", help="a tiny fp32 model on this machine's CPU (eager, compiled)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-gpu-perf-runs")
+    ap.add_argument("--results", default=None, help="where the JSON goes (default benchmarks/results/)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    base = (LLAMA_8B if cuda else TINY) + COMMON + [f"model.n_layers={args.layers}"] + (
-        ["job.gpus_per_node=1", f"job.gpu={args.gpu}", "parallel.backend=nccl"] if cuda else [])
-    modes = [m for m in args.modes.split(",") if cuda or m in ("eager", "compiled")]
+    gpu = ["job.gpus_per_node=1", f"job.gpu={args.gpu}", "parallel.backend=nccl"] if cuda else []
+    if args.layers <= 0:
+        args.layers = fitting_layers(LLAMA_8B + COMMON + gpu, modes_of(args)) if cuda else 2
+    base = (LLAMA_8B if cuda else TINY) + COMMON + [f"model.n_layers={args.layers}"] + gpu
+    modes = [m for m in modes_of(args) if cuda or m in ("eager", "compiled")]
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"# {device_name}, torch {torch.__version__}, CUDA {torch.version.cuda}; modes {', '.join(modes)}; "
           f"{args.layers} layers, {args.rounds} rounds of {args.steps} steps per side", flush=True)
@@ -231,7 +259,7 @@ def main() -> None:
         "modes": modes, "rounds": args.rounds, "steps_per_round": args.steps, "tokens_per_round_side": tokens,
         "flops_per_token": fpt, "params": dims.num_params(), "rows": rows, "verdicts": verdicts,
         "times_s": {m: g["times"] for m, g in got.items()}, "losses": {m: g["losses"] for m, g in got.items()},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, args.results)
 
 
 if __name__ == "__main__":

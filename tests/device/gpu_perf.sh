@@ -7,7 +7,7 @@
 #   PY=.venv/bin/python ARGS=--tiny bash tests/device/gpu_perf.sh   # the script's logic on a CPU, tiny model
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-PY=$(command -v ${PY:-python3})
+PY=$(command -v ${PY:-python3}); case $PY in /*) ;; *) PY=$PWD/$PY ;; esac  # the run cds into benchmarks/
 OUT=${OUT:-/tmp/devout}; mkdir -p $OUT
 nvidia-smi -L 2>/dev/null
 $PY -c "import torch;print('torch',torch.__version__,'cuda',torch.version.cuda,torch.cuda.is_available())"
