@@ -9,11 +9,11 @@ eager, compiled blocks, compiled + selective recompute, compiled + float8; a Lla
 Both sides are resident at once (each round runs them back to back), so --layers defaults to the most blocks
 whose two sides the planner fits within 90% of the GPU's memory (with the embeddings' 1 B parameters, 16 bytes of
 states a parameter: 1 block on an 80 GB H100, where 2 come to 72 of the 71 GiB allowed; 9 on an H200).
-The plain loop is what a user writes around hpctrain.model.transformer.Transformer: the same init and data, bf16 autocast, AdamW(fused) with the
-same groups, F.cross_entropy, clip_grad_norm_, and for each mode torch's own API: torch.compile of each block,
-torch.utils.checkpoint with a selective policy that keeps matmul and attention outputs, torchao's
-convert_to_float8_training on the blocks' linears. Ours is Trainer.train_step with train.compile, train.ac =
-"selective" and train.precision = "fp8".
+The plain loop is what a user writes around hpctrain.model.transformer.Transformer: the same init and data, bf16
+autocast, AdamW(fused) with the same groups, F.cross_entropy, clip_grad_norm_, and for each mode torch's own API:
+torch.compile of each block, torch.utils.checkpoint with a selective policy that keeps matmul and attention outputs,
+torchao's convert_to_float8_training on the blocks' linears. Ours is Trainer.train_step with train.compile,
+train.ac = "selective" and train.precision = "fp8".
 
 Rule (benchmarks/README.md, _verdict.py), written before any GPU run: per mode, after --warmup untimed steps of
 each side, --rounds rounds; in each round both sides run --steps steps back to back, which goes first alternating;
