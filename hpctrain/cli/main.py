@@ -22,6 +22,7 @@ other command ends on them, and on SIGINT: exit status 128 + the signal's number
 from __future__ import annotations
 
 import functools
+import os
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -288,6 +289,12 @@ def plan(config: str, overrides: tuple[str, ...], gpu: str | None, profile_file:
         cpu_job = job.job.gpus_per_node == 0
         if ranks is None:
             ranks = job.job.nodes * job.job.tasks_per_node if cpu_job else 1
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if ranks > max(4 * cores, 8):  # a job of many hosts: its ranks do not all share this one
+                raise click.UsageError(
+                    f"{config} runs {ranks} ranks (job.nodes = {job.job.nodes} x job.tasks_per_node = "
+                    f"{job.job.tasks_per_node}), too many to start on this host's {cores} cores: calibrate with "
+                    f"--ranks N, the ranks that will share one host (job.tasks_per_node where nodes are hosts)")
         tp = job.parallel.tp if ranks > 1 else 1
         try:
             links = {k: v for f in bench_files for k, v in

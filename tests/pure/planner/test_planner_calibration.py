@@ -143,3 +143,12 @@ def test_bad_profile_files_name_the_key(calibrated, edit, fragment) -> None:
     with pytest.raises(ValueError, match=str(calibrated)) as e:
         hardware.load_profile(calibrated)
     assert fragment in str(e.value)
+
+
+def test_a_job_of_many_hosts_is_not_started_on_this_one(monkeypatch) -> None:
+    """The default --ranks is a CPU job's own rank count, which is this host's only where its nodes share it (the
+    local cluster): a 64-node job would start 128 processes here. Refused with the flag to use; --ranks works."""
+    monkeypatch.setattr(calibrate, "measure_ranks", lambda ranks, tp, rounds, echo: (_ for _ in ()).throw(
+        AssertionError(f"started {ranks} ranks")))
+    out = CliRunner().invoke(cli, ["plan", TINY_CPU, "--calibrate", "--set", "job.nodes=64"])
+    assert out.exit_code == 2 and "runs 128 ranks" in out.output and "--ranks N" in out.output, out.output
