@@ -269,6 +269,9 @@ SchedulerParameters=bf_interval=1,sched_interval=2
 ReturnToService=2
 JobRequeue=1
 KillWait=5
+# A step's tasks ending slowly after SIGKILL on a loaded host (their files flushed to a busy disk: CI-34 saw ~65 s)
+# drained the node "Kill task failed" at the default 60 s, and every later 2-node test lost it.
+UnkillableStepTimeout=180
 InactiveLimit=0
 MinJobAge=300
 SlurmdTimeout=60

@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,7 @@ def mpiexec() -> str:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> None:
+def _slurm_up() -> None:
     """The local cluster from slurm/cluster.sh must answer with nodes n1 and n2 (and n3, the spare the preflight
     test moves a job to: a cluster brought up with 2 nodes fails that test, not this fixture)."""
     why = None
@@ -54,6 +56,33 @@ def slurm_cluster() -> None:
         if required("HPCTRAIN_REQUIRE_SLURM"):
             pytest.fail(f"HPCTRAIN_REQUIRE_SLURM is set but {why}; run `make slurm-up`")
         pytest.skip(why)
+
+
+def _queued() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20)
+    return set(out.stdout.split())
+
+
+@pytest.fixture
+def slurm_cluster(_slurm_up) -> Iterator[None]:
+    """The cluster, as each Slurm test must find it, whatever the test before it did. A node Slurm drained with
+    "Kill task failed" (a step's tasks outlived UnkillableStepTimeout after SIGKILL: CI-34, on a loaded host) is
+    put back in service, with a warning: the test it happened in reports it; the tests after it need their 3 nodes.
+    A job the test left in the queue (it timed out waiting, it failed before its job ended) is cancelled after it,
+    with a warning, so that it cannot start on the next test's nodes."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-t", "drain,draining,drained", "-o", "%N|%E"], capture_output=True,
+                         text=True, timeout=20)
+    for line in out.stdout.splitlines():
+        node, _, reason = line.partition("|")
+        if "Kill task failed" in reason:
+            warnings.warn(f"slurm_cluster: {node} was drained ({reason}); put back in service", stacklevel=1)
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], timeout=20)
+    before = _queued()
+    yield
+    left = sorted(_queued() - before)
+    if left:
+        warnings.warn(f"slurm_cluster: the test left job(s) {', '.join(left)} in the queue; cancelled", stacklevel=1)
+        subprocess.run(["scancel", *left], timeout=20)
 
 
 # --- tests at once (`make test` runs pytest -n 3, pytest-xdist) ---------------------------------------------------
