@@ -14,6 +14,8 @@ JOBS ?= 3
 # VENV_FLAGS=--system-site-packages to use the site's CUDA torch instead: hpctrain/install_guard.py keeps a site torch
 # at or above setup.cfg's floor, refuses an older one (or none) with the fix, and never lets pip replace it.
 TORCH_SPEC ?= torch==2.13.0
+# torchao (float8 layers) for the torch above only: the tests train train.precision = "fp8" on the CPU with it
+TORCHAO_SPEC ?= torchao==0.18.0
 # The mpich wheel gives mpi4py an MPI where the machine has none; with a site MPI (mpicc on PATH) it is skipped.
 MPI_WHEEL ?= $(if $(shell command -v mpicc 2>/dev/null),,mpich)
 STAMP := $(VENV)/.hpctrain-installed
@@ -28,7 +30,7 @@ install: $(STAMP)
 
 $(STAMP): setup.py setup.cfg hpctrain/install_guard.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python -m hpctrain.install_guard --torch-spec "$(TORCH_SPEC)" $(if $(filter file,$(origin TORCH_SPEC)),,--asked) $(MPI_WHEEL)
+	$(BIN)/python -m hpctrain.install_guard --torch-spec "$(TORCH_SPEC)" $(if $(filter file,$(origin TORCH_SPEC)),,--asked) --torchao-spec "$(TORCHAO_SPEC)" $(MPI_WHEEL)
 	touch $(STAMP)
 
 test: install data/corpus.bin

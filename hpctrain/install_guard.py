@@ -1,10 +1,14 @@
 """What `make install` runs inside the virtualenv it made: hpctrain and its requirements, with torch handled apart
 so that pip never replaces the torch the venv sees and never downloads one nobody asked for.
 
-    .venv/bin/python -m hpctrain.install_guard --torch-spec 'torch==2.13.0' [--asked] [REQUIREMENT ...]
+    .venv/bin/python -m hpctrain.install_guard --torch-spec 'torch==2.13.0' [--asked] [--torchao-spec SPEC]
+                                               [REQUIREMENT ...]
 
 REQUIREMENT: more to install beside hpctrain's own (the Makefile passes the mpich wheel where no MPI is found).
 --asked: TORCH_SPEC was named by the user (make install TORCH_SPEC=...), not the Makefile's default.
+--torchao-spec: torchao (the `fp8` extra's float8 layers), installed only beside the torch release TORCH_SPEC pins
+(the tests run fp8's layers on it, emulated on the CPU): a torchao release is built for one torch release, so beside
+a site's torch it is left to `pip install 'hpctrain[fp8]'` with the torchao matching it.
 
 1. torch, as the venv's python sees it (a venv made with --system-site-packages also sees the site's packages, and
    PYTHONPATH, which `module load` often sets, comes before every site directory):
@@ -113,6 +117,12 @@ def refusal_none(floor: str, spec: str) -> str:
             f"and rerun `make install`; or install one on purpose: `make install TORCH_SPEC='{spec}'`.")
 
 
+def beside(spec: str, torch_spec: str, version: str) -> list[str]:
+    """[spec] when the torch found is the release torch_spec pins ('torch==2.13.0' and torch 2.13.0+cpu), else []."""
+    m = re.fullmatch(r"torch\s*==\s*([0-9][0-9.]*)", torch_spec.strip())
+    return [spec] if spec and m and release(m.group(1)) == release(version) else []
+
+
 def pip(*args: str) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "-q", *args]
     print("install: " + " ".join(cmd[2:]), flush=True)
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--torch-spec", required=True, help="what to install when the venv sees no torch")
     ap.add_argument("--asked", action="store_true", help="TORCH_SPEC was named by the user")
+    ap.add_argument("--torchao-spec", default="", help="torchao, installed only beside the torch TORCH_SPEC pins")
     ap.add_argument("extra", nargs="*", help="more requirements (e.g. mpich)")
     args = ap.parse_args(argv)
     floor, reqs = requirements()
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         constraint = Path(tmp) / "torch.txt"
         constraint.write_text(pin)
-        pip("-c", str(constraint), *reqs, *args.extra)
+        pip("-c", str(constraint), *reqs, *args.extra, *beside(args.torchao_spec, args.torch_spec, version))
     pip("--no-deps", "-e", str(ROOT))
     return 0
 

@@ -100,12 +100,14 @@ def counting_all_gathers(counter: list[int]):
         dist.all_gather_single = real
 
 
-def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
+def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str = "") -> dict:
     """Trains one case with the product's own loop (Trainer.fit, checkpoints off) and watches every step through
     fit's on_step; rank 0 saves {"losses", "grad_norms", "skipped", "scales", "weights", "fsdp", "gathers"} to
     `out`. grad_norms: the global pre-clip norm of each step (inf on a step skipped for non-finite gradients);
     gathers: FSDP's all-gathers during the last step. inject_inf_step: the last rank's gradients turn infinite
-    in that step."""
+    in that step. fp8: "rowwise" or "tensorwise" trains with train.precision = "fp8" on this CPU (torchao's
+    float8 layers, their scaled matmuls emulated), which the product refuses for a CPU job: the config is loaded in
+    bf16 and switched after its checks, and the trainer's device check is lifted for the case."""
     from hpctrain.config import load_config
     from hpctrain.job import session
     from hpctrain.train.metrics import host_values
@@ -114,7 +116,13 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
     cfg = load_config(None, TINY + ["checkpoint.every_steps=0", "checkpoint.at_end=false"] + overrides
                       + [f"job.run_root={out.parent / (out.stem + '-runs')}"])
     steps = cfg.train.steps
-    with session.start(cfg) as s:
+    lifted = contextlib.ExitStack()
+    if fp8:
+        from hpctrain.train import trainer
+        assert cfg.train.precision == "bf16", "an fp8 case is loaded in bf16, then switched"
+        cfg.train.precision, cfg.train.fp8_scaling = "fp8", fp8
+        lifted.enter_context(_lifted(trainer, "float8_refusal", lambda *args: ""))
+    with lifted, session.start(cfg) as s:
         tr = Trainer(cfg, s)
         poison = inject_inf_step and s.rank == s.ident.world_size - 1
         rows, gathers = [], [0]
@@ -161,8 +169,21 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0) -> dict:
                         # parallel.offload = "optimizer": AdamW's masters and state in host memory
                         "host_optimizer": type(tr.optimizer).__name__ == "HostAdamW" and all(
                             m.device.type == "cpu" for m in getattr(tr.optimizer, "params_of", {})),
-                        "fused": fused_modules([tr.model, *tr.pm.parts])}, out)
+                        "fused": fused_modules([tr.model, *tr.pm.parts]),
+                        "float8": sorted({name for part in [tr.model, *tr.pm.parts]
+                                          for name, m in part.named_modules() if type(m).__name__ == "Float8Linear"})},
+                       out)
     return {"losses": summary["losses"]}
+
+
+@contextlib.contextmanager
+def _lifted(module, name: str, value):
+    real = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
 
 
 def fused_modules(models) -> dict[str, int]:

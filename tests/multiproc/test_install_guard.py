@@ -38,7 +38,9 @@ def deps_site(tmp: Path) -> Path:
     out.mkdir()
     for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
         low = entry.name.lower()
-        if not low.startswith(("torch", "functorch", "hpctrain", "__editable__")) and not low.endswith(".pth"):
+        # torch itself left out; torchao kept (make installs TORCHAO_SPEC beside a torch of the pinned release)
+        torch = low in ("torch", "torchgen", "functorch") or low.startswith("torch-")
+        if not torch and not low.startswith(("hpctrain", "__editable__")) and not low.endswith(".pth"):
             (out / entry.name).symlink_to(entry)
     return out
 

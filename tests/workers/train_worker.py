@@ -36,7 +36,8 @@ def main(out: str, cases_json: str, base_port: int) -> None:
             torch._dynamo.reset()
         try:
             with seams.gradient_mutation(case.get("mutation")):  # a case's deliberate bug, for this case only
-                run_case(case["overrides"], Path(out) / f"{case['name']}.pt", case.get("inject_inf_step", 0))
+                run_case(case["overrides"], Path(out) / f"{case['name']}.pt", case.get("inject_inf_step", 0),
+                         case.get("fp8", ""))
         except Exception as e:  # recorded so the test shows which case failed and why
             errors[case["name"]] = f"{type(e).__name__}: {e}"
     Path(out, f"errors-rank{rank}.json").write_text(json.dumps(errors))

@@ -1,6 +1,7 @@
 """Pure tier: train.precision = "fp8" is refused, naming the value and the reason, wherever float8 matmuls cannot
 run: a CPU job (at config load, before anything starts), tensor parallel, a GPU older than compute capability 8.9,
-a machine without torchao. The float8 layers themselves need a GPU (tests/device/).
+a machine without torchao. The float8 layers run on CPU with the refusal lifted in
+tests/multiproc/parallel/test_train_fp8.py; their GPU kernels in tests/device/.
 
     .venv/bin/python -m pytest -q tests/pure/train/test_fp8_refusals.py
 """
