@@ -2,7 +2,7 @@
 eager, compiled blocks, compiled + selective recompute, compiled + float8; a Llama-3.1-8B-shaped model (dim 4096,
 32 heads, 8 KV heads, ffn 14336, vocab 128256, seq 8192, bf16) with --layers blocks.
 
-    python benchmarks/gpu_perf.py [--layers N] [--rounds 6] [--steps 3] [--modes eager,compiled,...] [--gpu h100-sxm]
+    python benchmarks/gpu_perf.py [--layers N] [--rounds 6] [--steps 3] [--modes eager,compiled,...] [--gpu PROFILE]
     python benchmarks/gpu_perf.py --tiny          # the same script on this CPU: a tiny fp32 model, eager and compiled
     bash tests/device/gpu_perf.sh                 # on a lent GPU: this script, its results under $OUT
 
@@ -173,7 +173,7 @@ def modes_of(args) -> list[str]:
     return args.modes.split(",")
 
 
-def fitting_layers(base: list[str], modes: list[str], share: float = 0.9) -> int:
+def fitting_layers(base: list[str], modes: list[str], gpu: str, share: float = 0.9) -> int:
     """The most blocks (up to 32) whose two resident sides the planner puts within `share` of this GPU's memory, in
     the hungriest of the modes (its memory model is held within 1% of what ranks allocate): one side's whole
     prediction and the other's states (one side computes at a time; its activations are gone between steps)."""
@@ -185,12 +185,23 @@ def fitting_layers(base: list[str], modes: list[str], share: float = 0.9) -> int
         for m in modes:
             if m in MODES:
                 got = report.evaluate(load_config(None, base + MODES[m] + [f"model.n_layers={layers}"]),
-                                      hardware.profile("h100-sxm", {"memory_gib": total}), 5.0)
+                                      hardware.profile(gpu, {"memory_gib": total}), 5.0)
                 need = max(need, 2 * got["memory_gib_per_gpu"] - got["activations_gib"])
         if need > share * total:
             break
         best = layers
     return best
+
+
+def profile_of(name: str, total_bytes: int) -> str:
+    """The planner's profile for a device name (the product's own matching: hpctrain.train.metrics), h100-sxm when
+    none matches (said in the results' header line)."""
+    from hpctrain.train.metrics import datasheet_part
+    part = datasheet_part(name)
+    if "H100" in name and "PCIe" in name:
+        return "h100-pcie"
+    return {"NVIDIA H100 SXM": "h100-sxm", "NVIDIA H200": "h200", "NVIDIA B200": "b200",
+            "NVIDIA A100 SXM": "a100-80g" if total_bytes > 60 * 2**30 else "a100-40g"}.get(part or "", "h100-sxm")
 
 
 def main() -> None:
@@ -200,20 +211,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--modes", default="eager,compiled,compiled_selective,compiled_fp8")
-    ap.add_argument("--gpu", default="h100-sxm", help="the datasheet profile for MFU and the planner")
+    ap.add_argument("--gpu", default="", help="the planner's profile for MFU and predictions (default: the one "
+                    "this device's name matches, else h100-sxm)")
     ap.add_argument("--tiny", action="store_true", help="a tiny fp32 model on this machine's CPU (eager, compiled)")
     ap.add_argument("--run-root", default="/tmp/hpctrain-gpu-perf-runs")
     ap.add_argument("--results", default=None, help="where the JSON goes (default benchmarks/results/)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
+    args.gpu = args.gpu or (profile_of(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+                            if cuda else "h100-sxm")
     gpu = ["job.gpus_per_node=1", f"job.gpu={args.gpu}", "parallel.backend=nccl"] if cuda else []
     if args.layers <= 0:
-        args.layers = fitting_layers(LLAMA_8B + COMMON + gpu, modes_of(args)) if cuda else 2
+        args.layers = fitting_layers(LLAMA_8B + COMMON + gpu, modes_of(args), args.gpu) if cuda else 2
     base = (LLAMA_8B if cuda else TINY) + COMMON + [f"model.n_layers={args.layers}"] + gpu
     modes = [m for m in modes_of(args) if cuda or m in ("eager", "compiled")]
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"# {device_name}, torch {torch.__version__}, CUDA {torch.version.cuda}; modes {', '.join(modes)}; "
-          f"{args.layers} layers, {args.rounds} rounds of {args.steps} steps per side", flush=True)
+          f"{args.layers} layers, {args.rounds} rounds of {args.steps} steps per side; planner profile {args.gpu}",
+          flush=True)
     got, verdicts, rows = {}, [], {}
     with session.start(load_config(None, base + [f"job.run_root={args.run_root}"])) as s:
         for mode in modes:
@@ -256,6 +271,7 @@ def main() -> None:
     slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
     write_results(f"gpu_perf-{slug}.json", {
         "device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "layers": args.layers,
+        "profile": args.gpu,
         "modes": modes, "rounds": args.rounds, "steps_per_round": args.steps, "tokens_per_round_side": tokens,
         "flops_per_token": fpt, "params": dims.num_params(), "rows": rows, "verdicts": verdicts,
         "times_s": {m: g["times"] for m, g in got.items()}, "losses": {m: g["losses"] for m, g in got.items()},

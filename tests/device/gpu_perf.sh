@@ -3,7 +3,7 @@
 # compiled, compiled + selective recompute and compiled + float8 modes (benchmarks/gpu_perf.py: the rule, targets
 # and what each side is). About 8 minutes on an H100; the results JSON lands in benchmarks/results/ and in $OUT.
 #   bash tests/device/gpu_perf.sh                      # python3 with a CUDA torch (torchao for the fp8 mode)
-#   LAYERS=8 MODES=eager,compiled bash tests/device/gpu_perf.sh
+#   LAYERS=8 MODES=eager,compiled bash tests/device/gpu_perf.sh   # LAYERS unset: as many as the planner fits twice
 #   PY=.venv/bin/python ARGS=--tiny bash tests/device/gpu_perf.sh   # the script's logic on a CPU, tiny model
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ $PY -c "import torchao;print('torchao',torchao.__version__)" 2>/dev/null || echo
 MODES=${MODES:-eager,compiled,compiled_selective,compiled_fp8}
 $PY -c "import torchao" 2>/dev/null || MODES=$(echo $MODES | sed 's/,compiled_fp8//; s/compiled_fp8,//')
 t=$SECONDS
-(cd benchmarks && timeout ${LIMIT_S:-560} $PY gpu_perf.py --layers ${LAYERS:-4} --rounds ${ROUNDS:-6} \
+(cd benchmarks && timeout ${LIMIT_S:-560} $PY gpu_perf.py --layers ${LAYERS:-0} --rounds ${ROUNDS:-6} \
     --modes $MODES ${ARGS:-}) 2>&1 | tee $OUT/gpu_perf.txt
 rc=${PIPESTATUS[0]}; echo "gpu_perf rc=$rc in $((SECONDS-t)) s"
 cp benchmarks/results/gpu_perf-*.json $OUT/ 2>/dev/null
