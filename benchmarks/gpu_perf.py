@@ -8,7 +8,11 @@ eager, compiled blocks, compiled + selective recompute, compiled + float8; a Lla
 
 Both sides are resident at once (each round runs them back to back), so --layers defaults to the most blocks
 whose two sides the planner fits within 90% of the GPU's memory (with the embeddings' 1 B parameters, 16 bytes of
-states a parameter: 1 block on an 80 GB H100, where 2 come to 72 of the 71 GiB allowed; 9 on an H200).
+states a parameter: 1 block on an 80 GB H100, where 2 come to 72 of the 71 GiB allowed), at most 4 (9 would fit an
+H200, but each mode builds and fills both sides, and the device script has about 9 minutes for all four modes).
+The plain side starts from ours' weights (the same seeded init, copied). A mode that fails (out of memory, a compile
+error) is recorded and the others run; the results file is rewritten after each mode ("complete": false until the
+end) and the time limit's SIGTERM ends the run.
 The plain loop is what a user writes around hpctrain.model.transformer.Transformer: the same init and data, bf16
 autocast, AdamW(fused) with the same groups, F.cross_entropy, clip_grad_norm_, and for each mode torch's own API:
 torch.compile of each block, torch.utils.checkpoint with a selective policy that keeps matmul and attention outputs,
@@ -43,7 +47,7 @@ from hpctrain.config import load_config
 from hpctrain.data import loader as data
 from hpctrain.data.sources import open_source
 from hpctrain.job import session
-from hpctrain.model.transformer import ModelDims, Transformer, init_value
+from hpctrain.model.transformer import ModelDims, Transformer, clean_name
 from hpctrain.train.trainer import Trainer
 
 LLAMA_8B = ["model.vocab_size=128256", "model.dim=4096", "model.n_heads=32", "model.n_kv_heads=8",
@@ -86,15 +90,16 @@ class Checkpointed(torch.nn.Module):
 class Plain:
     """The loop a user writes around the same model, for one mode (module docstring)."""
 
-    def __init__(self, cfg, device: torch.device, mode: str) -> None:
+    def __init__(self, cfg, device: torch.device, mode: str, weights: dict[str, torch.Tensor]) -> None:
         t = cfg.train
         self.dims, self.device = ModelDims.from_config(cfg.model), device
-        model = Transformer(self.dims)
-        with torch.no_grad():
+        with torch.device("meta"):
+            model = Transformer(self.dims)
+        model.to_empty(device=device)
+        with torch.no_grad():  # ours' seeded init (init_value), copied: filling it again took ~10 s per 1.3 B params
             for name, p in model.named_parameters():
-                p.copy_(init_value(name, p.shape, self.dims, t.seed))
-        model.init_buffers()
-        model.to(device)
+                p.copy_(weights[name])
+        model.init_buffers(device)
         if mode == "compiled_fp8":
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(t.fp8_scaling),
@@ -141,7 +146,7 @@ def timed(step, steps: int, device: torch.device) -> tuple[float, float]:
 def run_mode(s, base: list[str], mode: str, args) -> dict:
     cfg = load_config(None, base + MODES[mode] + [f"job.run_root={args.run_root}"])
     ours = Trainer(cfg, s)
-    plain = Plain(cfg, s.device, mode)
+    plain = Plain(cfg, s.device, mode, {clean_name(n): p.detach() for n, p in ours.model.named_parameters()})
     sides = {"ours": lambda trainer=ours: trainer.train_step(sync=False)["loss"], "plain": plain.train_step}
     losses: dict[str, list[float]] = {"ours": [], "plain": []}
     for _ in range(args.warmup):  # compiles, allocates
@@ -155,6 +160,7 @@ def run_mode(s, base: list[str], mode: str, args) -> dict:
             losses[side].append(loss)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if s.device.type == "cuda" else None
     del ours, plain, sides
+    step = None  # the warmup's last side (a bound method holding its model)
     gc.collect()
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -173,14 +179,15 @@ def modes_of(args) -> list[str]:
     return args.modes.split(",")
 
 
-def fitting_layers(base: list[str], modes: list[str], gpu: str, share: float = 0.9) -> int:
-    """The most blocks (up to 32) whose two resident sides the planner puts within `share` of this GPU's memory, in
+def fitting_layers(base: list[str], modes: list[str], gpu: str, share: float = 0.9, most: int = 4) -> int:
+    """The most blocks (up to `most`: each mode builds and fills both sides, and the device script has ~9 minutes for
+    four modes) whose two resident sides the planner puts within `share` of this GPU's memory, in
     the hungriest of the modes (its memory model is held within 1% of what ranks allocate): one side's whole
     prediction and the other's states (one side computes at a time; its activations are gone between steps)."""
     from hpctrain.planner import hardware, report
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     best = 1
-    for layers in range(1, 33):
+    for layers in range(1, most + 1):
         need = 0.0
         for m in modes:
             if m in MODES:
@@ -217,7 +224,11 @@ def main() -> None:
     ap.add_argument("--run-root", default="/tmp/hpctrain-gpu-perf-runs")
     ap.add_argument("--results", default=None, help="where the JSON goes (default benchmarks/results/)")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.tiny
+    if not args.tiny and not torch.cuda.is_available():
+        print(f"gpu_perf: this torch ({torch.__version__}) sees no CUDA device; --tiny runs the script on a CPU",
+              file=sys.stderr)
+        return 2
+    cuda = not args.tiny
     args.gpu = args.gpu or (profile_of(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
                             if cuda else "h100-sxm")
     gpu = ["job.gpus_per_node=1", f"job.gpu={args.gpu}", "parallel.backend=nccl"] if cuda else []
@@ -229,12 +240,31 @@ def main() -> None:
     print(f"# {device_name}, torch {torch.__version__}, CUDA {torch.version.cuda}; modes {', '.join(modes)}; "
           f"{args.layers} layers, {args.rounds} rounds of {args.steps} steps per side; planner profile {args.gpu}",
           flush=True)
-    got, verdicts, rows = {}, [], {}
+    got, verdicts, rows, errors = {}, [], {}, {}
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    head = {"device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "layers": args.layers,
+            "profile": args.gpu, "modes": modes, "rounds": args.rounds, "steps_per_round": args.steps}
     with session.start(load_config(None, base + [f"job.run_root={args.run_root}"])) as s:
+        s.preempt.end_on_signal(True)  # the device script's time limit (SIGTERM) ends the run, not a flag
         for mode in modes:
             t0 = time.perf_counter()
-            got[mode] = run_mode(s, base, mode, args)
+            try:
+                got[mode] = run_mode(s, base, mode, args)
+            except Exception as e:  # noqa: BLE001 - an OOM or a compile error: said, and the other modes run
+                errors[mode] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"# {mode} FAILED: {errors[mode]}", flush=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
             print(f"# {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+            # what is measured so far, in case the run is cut short: no verdicts until every mode ran
+            write_results(f"gpu_perf-{slug}.json", head | {
+                "complete": False, "errors": errors, "times_s": {m: g["times"] for m, g in got.items()},
+                "losses": {m: g["losses"] for m, g in got.items()}, "when": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                args.results)
+    if not got:
+        return 1
+    modes = [m for m in modes if m in got]
     cfg0 = got[modes[0]]["cfg"]
     dims = ModelDims.from_config(cfg0.model)
     tokens = args.steps * cfg0.train.micro_batch_size * cfg0.data.seq_len
@@ -268,14 +298,12 @@ def main() -> None:
     for name, row in rows.items():
         mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") else ""
         print(f"  {name:<28} {row['tokens_per_s']:>10,.0f} tokens/s, {row['model_tflops']:.1f} model TFLOP/s{mfu}")
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-    write_results(f"gpu_perf-{slug}.json", {
-        "device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "layers": args.layers,
-        "profile": args.gpu,
-        "modes": modes, "rounds": args.rounds, "steps_per_round": args.steps, "tokens_per_round_side": tokens,
+    write_results(f"gpu_perf-{slug}.json", head | {
+        "complete": not errors, "errors": errors, "tokens_per_round_side": tokens,
         "flops_per_token": fpt, "params": dims.num_params(), "rows": rows, "verdicts": verdicts,
         "times_s": {m: g["times"] for m, g in got.items()}, "losses": {m: g["losses"] for m, g in got.items()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, args.results)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

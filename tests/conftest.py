@@ -59,7 +59,8 @@ def _slurm_up() -> None:
 
 
 def _queued() -> set[str]:
-    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=20)
+    """Jobs pending, running or suspended (not those completing: a test's own scancel leaves its job so a moment)."""
+    out = subprocess.run(["squeue", "-h", "-t", "PD,CF,R,S", "-o", "%i"], capture_output=True, text=True, timeout=20)
     return set(out.stdout.split())
 
 

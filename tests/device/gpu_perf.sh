@@ -13,9 +13,11 @@ nvidia-smi -L 2>/dev/null
 $PY -c "import torch;print('torch',torch.__version__,'cuda',torch.version.cuda,torch.cuda.is_available())"
 $PY -c "import torchao;print('torchao',torchao.__version__)" 2>/dev/null || echo "no torchao: the fp8 mode is left out"
 MODES=${MODES:-eager,compiled,compiled_selective,compiled_fp8}
-$PY -c "import torchao" 2>/dev/null || MODES=$(echo $MODES | sed 's/,compiled_fp8//; s/compiled_fp8,//')
+# fp8 needs torchao and float8 matmuls (compute capability 8.9+: H100, H200, B200); elsewhere the mode is left out
+$PY -c "import torch, torchao; assert torch.cuda.get_device_capability() >= (8, 9)" 2>/dev/null \
+    || MODES=$(echo $MODES | sed 's/,compiled_fp8//; s/compiled_fp8,//')
 t=$SECONDS
-(cd benchmarks && timeout ${LIMIT_S:-560} $PY gpu_perf.py --layers ${LAYERS:-0} --rounds ${ROUNDS:-6} \
+(cd benchmarks && timeout -k 20 ${LIMIT_S:-560} $PY gpu_perf.py --layers ${LAYERS:-0} --rounds ${ROUNDS:-6} \
     --modes $MODES ${ARGS:-}) 2>&1 | tee $OUT/gpu_perf.txt
 rc=${PIPESTATUS[0]}; echo "gpu_perf rc=$rc in $((SECONDS-t)) s"
 cp benchmarks/results/gpu_perf-*.json $OUT/ 2>/dev/null

@@ -20,8 +20,17 @@ def test_the_gpu_script_runs_on_a_cpu(tmp_path) -> None:
                          env=env_with_venv())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "gpu_perf-cpu.json").read_text())
-    assert doc["device"] == "cpu" and doc["modes"] == ["eager"] and doc["torch"]
+    assert doc["device"] == "cpu" and doc["modes"] == ["eager"] and doc["torch"] and doc["complete"]
     losses = doc["losses"]["eager"]
     assert losses["ours"] == losses["plain"] and len(losses["ours"]) == 3, losses
     assert [v["metric"] for v in doc["verdicts"]] == ["eager: tokens/s ours / plain loop"]
     assert doc["rows"]["eager/ours"]["tokens_per_s"] > 0
+
+
+def test_without_a_gpu_it_says_so_rather_than_measuring_a_cpu(tmp_path) -> None:
+    """A device run whose python has a CPU-only torch (the wrong venv carried over) must fail, not write a CPU
+    result that looks like the GPU's."""
+    out = subprocess.run([sys.executable, "gpu_perf.py", "--results", str(tmp_path)], cwd=REPO / "benchmarks",
+                         capture_output=True, text=True, timeout=120, env=env_with_venv())
+    assert out.returncode == 2 and "sees no CUDA device" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
