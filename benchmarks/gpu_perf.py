@@ -272,8 +272,9 @@ def main() -> None:
     from hpctrain.planner import hardware
     for mode in modes:
         g = got[mode]
-        dtype = "fp8" if mode == "compiled_fp8" else ("bf16" if cuda else "fp32")
-        peak = hardware.profile(args.gpu).peak(dtype) if cuda else None
+        hw = hardware.profile(args.gpu)  # fp8: the blocks' linears at its fp8 peak, the rest at bf16's
+        peak = (None if not cuda else hw.float8_peak(dims.float8_flops_per_token() / fpt) if mode == "compiled_fp8"
+                else hw.peak("bf16"))
         for side in ("ours", "plain"):
             med = statistics.median(g["times"][side])
             rows[f"{mode}/{side}"] = {"tokens_per_s": tokens / med, "model_tflops": tokens / med * fpt / 1e12,

@@ -65,6 +65,11 @@ class ModelDims:
         matmul_params += self.vocab_size * self.dim  # the output projection is a matmul; the lookup is not
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
+    def float8_flops_per_token(self) -> float:
+        """Of flops_per_token, those of the blocks' linear layers: what train.precision = "fp8" runs in float8."""
+        return 6.0 * sum(math.prod(shape) for i in range(self.n_layers)
+                         for shape in self.block_shapes(i).values() if len(shape) == 2)
+
     def block_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         """Every parameter of block `layer`, by its name in the Transformer, with its full (unsharded) shape."""
         d, h, f = self.dim, self.head_dim, self.ffn_dim

@@ -113,6 +113,10 @@ class Hardware:
             raise ValueError(f"{self.name} has no {dtype!r} peak; it has {', '.join(self.peak_tflops)}")
         return self.peak_tflops[dtype]
 
+    def float8_peak(self, share: float) -> float:
+        """The dense peak TFLOP/s of a float8 run whose FLOPs are `share` in float8 matmuls (float8_mix)."""
+        return float8_mix(self.peak("fp8"), self.peak("bf16"), share)
+
     def with_overrides(self, **fields: Any) -> Hardware:
         """A copy with some figures replaced: any of OVERRIDABLE (peak_<dtype> sets that dtype's peak). The
         source records what was overridden."""
@@ -240,6 +244,15 @@ PROFILES: dict[str, Hardware] = {h.name: h for h in (
 
 NO_DATASHEET = ("a CPU has no datasheet figures: calibrate the machine the job runs on with `hpctrain plan "
                 "--calibrate -o FILE` and name FILE in job.hw_profile (or `hpctrain plan --profile FILE`)")
+
+
+def float8_mix(fp8: float, bf16: float, share: float) -> float:
+    """The peak of a float8 run whose FLOPs are `share` in float8 matmuls (the blocks' linears: torchao's
+    Float8Linear) at `fp8` and the rest (attention's scores and values, the output projection) at `bf16`: the rate
+    at which the whole takes as long as its parts, each at its own peak. MFU's peak for train.precision = "fp8"."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"float8 share of the FLOPs {share} must be within [0, 1]")
+    return 1.0 / (share / fp8 + (1 - share) / bf16)
 
 
 def profile(name: str, overrides: Mapping[str, Any] | None = None) -> Hardware:

@@ -70,8 +70,9 @@ Times per optimizer step, on the busiest GPU (m = global_batch / (dp b) micro-ba
   micro-batch, and (tensor parallel's, Hardware.host_tp_token_s) per token and unit of the rank's width.
 Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` measured them, so communication is
 optimistic on datasheet profiles. Not modelled: the optimizer step (apart from a CPU's host terms), data loading,
-collectives slowing concurrent GEMMs, kernel launch gaps, stragglers, network congestion. fp8 takes the fp8 peak
-for every GEMM (an upper bound: recipes keep some in bf16) and communicates in bf16.
+collectives slowing concurrent GEMMs, kernel launch gaps, stragglers, network congestion. fp8 runs the blocks'
+linears at the fp8 peak and the rest (attention's scores and values, the output projection) at bf16's, as
+torchao's Float8Linear on the blocks does (Hardware.float8_peak: MFU's peak too), and communicates in bf16.
 """
 from __future__ import annotations
 
@@ -137,6 +138,12 @@ def flops_per_token(n_layers: int, dim: int, ffn_dim: int, n_heads: int, n_kv_he
     """Model FLOPs per trained token (the MFU basis): 6 x matmul weights + 12 L d s."""
     shape = Shape(n_layers, dim, ffn_dim, n_heads, n_kv_heads, vocab, mlp)
     return 6.0 * (n_layers * shape.block_weights() + vocab * dim) + 12.0 * n_layers * dim * seq_len
+
+
+def block_linear_share(shape: Shape, seq_len: int) -> float:
+    """The share of a block's FLOPs in its linear layers (the rest: attention's scores and values)."""
+    linear = 6.0 * shape.block_weights()
+    return linear / (linear + 12.0 * shape.dim * seq_len)
 
 
 def recomputed_share(n_layers: int, recompute: str, ac_every: int = 2) -> float:
@@ -268,7 +275,14 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     head = 6.0 * shape.vocab * shape.dim
 
     block = block_flops(shape, seq_len, recompute, ac_every)
-    compute = max(blocks * block, (shape.n_layers * block + head) / pp) * tokens / tp / peak
+    bf16_peak = peak
+    if precision == "fp8":  # the blocks' linears in float8, attention's core and the output projection in bf16
+        bf16_peak = hw.peak("bf16") * 1e12 * eff
+        block_peak = hw.float8_peak(block_linear_share(shape, seq_len)) * 1e12 * eff
+        compute = max(blocks * block / block_peak, (shape.n_layers * block / block_peak + head / bf16_peak) / pp) \
+            * tokens / tp
+    else:
+        compute = max(blocks * block, (shape.n_layers * block + head) / pp) * tokens / tp / peak
     narrow = 0.0
     if hw.hbm_gbps is not None:  # forward, two backward matmuls per forward one, and recomputed forwards
         passes = 3 + recomputed_share(shape.n_layers, recompute, ac_every)
@@ -293,7 +307,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
         fwd = (cp - 1) * kv_bytes * act / cp_link
         bwd = ((cp - 1) * kv_bytes * act + cp * kv_bytes * 4) / cp_link
         repeats = 1 + recomputed_share(shape.n_layers, recompute, ac_every)
-        attention = 4.0 * shape.dim * seq_len * micro_batch * seq_len / cp / tp / peak  # a block's attention forward
+        attention = 4.0 * shape.dim * seq_len * micro_batch * seq_len / cp / tp / bf16_peak  # a block's attention
         ring_comm = blocks * m * (repeats * fwd + bwd)
         ring_exposed = blocks * m * (repeats * max(0.0, fwd - attention) + bwd)
 
@@ -371,7 +385,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     job_tokens = global_batch * seq_len / step
     model_tflops = model_flops * job_tokens / gpus / 1e12
     hw_tflops = hw_flops * job_tokens / gpus / 1e12
-    dense = hw.peak(MATMUL_DTYPE[precision])
+    dense = hw.peak(MATMUL_DTYPE[precision]) if precision != "fp8" else hw.float8_peak(
+        6.0 * shape.n_layers * shape.block_weights() / model_flops)
     terms = {"compute_s": compute, "pp_bubble_s": bubble, "tp_comm_s": tp_exposed, "tp_comm_total_s": tp_comm,
              "dp_comm_s": dp_exposed, "dp_comm_total_s": dp_comm, "dp_replicate_comm_total_s": replicate_comm,
              "p2p_s": p2p, "cp_comm_s": ring_exposed,

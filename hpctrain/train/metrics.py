@@ -29,7 +29,8 @@ from hpctrain.bench.gemm import measure_gemm, probe_size
 from hpctrain.config import TrainConfig
 from hpctrain.dtypes import torch_dtype
 from hpctrain.hang.stragglers import describe
-from hpctrain.planner.hardware import DATASHEET_TFLOPS
+from hpctrain.model.dims import ModelDims
+from hpctrain.planner.hardware import DATASHEET_TFLOPS, float8_mix
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,19 @@ class Peak:
     source: str  # what the figure is, for every row and the summary
 
 
-def choose_peak(name: str | None, dtype: str, configured: float, gemm: dict[str, Any] | None) -> Peak:
+def choose_peak(name: str | None, dtype: str, configured: float, gemm: dict[str, Any] | None,
+                float8_share: float = 1.0) -> Peak:
     """The peak MFU is measured against: train.peak_tflops when set, else the datasheet figure of a recognised
-    device, else the measured GEMM rate."""
+    device, else the measured GEMM rate. fp8: float8_share of the FLOPs run at the fp8 figure, the rest at bf16's
+    (float8_mix: the blocks' linears are float8, attention's core and the output projection bf16)."""
     part = datasheet_part(name)
     if configured:
         return Peak(configured, "config: train.peak_tflops")
+    if part and dtype == "fp8" and float8_share < 1 and {"fp8", "bf16"} <= set(DATASHEET_TFLOPS[part]):
+        table = DATASHEET_TFLOPS[part]
+        return Peak(float8_mix(table["fp8"], table["bf16"], float8_share),
+                    f"datasheet: {part} fp8 dense for the {float8_share:.0%} of the FLOPs in float8 matmuls, bf16 "
+                    f"dense for the rest")
     if part and dtype in DATASHEET_TFLOPS[part]:
         return Peak(DATASHEET_TFLOPS[part][dtype], f"datasheet: {part} {dtype} dense")
     if gemm and gemm["tflops"] > 0:
@@ -102,12 +110,14 @@ def describe_peak(peak: Peak, gemm: dict[str, Any], name: str | None) -> str:
             f"{flop_rate(gemm['tflops'])}")
 
 
-def mfu_peak(device: torch.device, precision: str, tf32: bool, configured: float) -> tuple[Peak, dict[str, Any]]:
-    """A training run's peak, which MFU is against (choose_peak; `configured`: train.peak_tflops), and the GEMM
-    probe's measured rate reported beside it; logs them in one line (describe_peak)."""
+def mfu_peak(device: torch.device, precision: str, tf32: bool, configured: float,
+             float8_share: float = 1.0) -> tuple[Peak, dict[str, Any]]:
+    """A training run's peak, which MFU is against (choose_peak; `configured`: train.peak_tflops; float8_share: the
+    share of an fp8 run's model FLOPs in float8 matmuls), and the GEMM probe's measured rate reported beside it;
+    logs them in one line (describe_peak)."""
     gemm = gemm_probe(device, torch_dtype("bf16" if precision == "fp8" else precision))
     name = device_name(device)
-    peak = choose_peak(name, matmul_dtype(precision, tf32), configured, gemm)
+    peak = choose_peak(name, matmul_dtype(precision, tf32), configured, gemm, float8_share)
     log.info("%s", describe_peak(peak, gemm, name))
     return peak, gemm
 
@@ -281,11 +291,14 @@ class TrainLog:
         return self.losses
 
 
-def begin_train_log(t: TrainConfig, run_dir: Path, rank: int, device: torch.device, tf32: bool,
-                    flops_per_token: float, tokens_seen: int) -> TrainLog:
+def begin_train_log(t: TrainConfig, run_dir: Path, rank: int, device: torch.device, tf32: bool, dims: ModelDims,
+                    seq_len: int, tokens_seen: int) -> TrainLog:
     """A training loop's log, begun once initialisation is over (model, optimizer, resume): the GEMM probe and the
-    peak MFU is against (mfu_peak), then the reset of the peak memory, so the peak is training's own."""
-    peak, gemm = mfu_peak(device, t.precision, tf32, t.peak_tflops)
+    peak MFU is against (mfu_peak: for fp8, the share of the model FLOPs in the blocks' float8 linears), then the
+    reset of the peak memory, so the peak is training's own."""
+    flops_per_token = dims.flops_per_token(seq_len)
+    peak, gemm = mfu_peak(device, t.precision, tf32, t.peak_tflops,
+                          dims.float8_flops_per_token() / flops_per_token if t.precision == "fp8" else 1.0)
     memory = reset_peak_memory(device)
     return TrainLog(run_dir, rank, t.steps, device, flops_per_token, dist.get_world_size(), peak, gemm, tokens_seen,
                     t.profile_steps, memory)

@@ -274,8 +274,8 @@ class Trainer:
         try:
             with resume.checkpointer(self) as ckpt:
                 resumed = resume.start(self, ckpt)  # the weights: a checkpoint, train.init_from or the seeded init
-                tlog = metrics.begin_train_log(t, self.s.run_dir, self.s.rank, self.device, self.tf32,
-                                               self.pm.dims.flops_per_token(self.cfg.data.seq_len), self.tokens_seen)
+                tlog = metrics.begin_train_log(t, self.s.run_dir, self.s.rank, self.device, self.tf32, self.pm.dims,
+                                               self.cfg.data.seq_len, self.tokens_seen)
                 self.hb.begin_training(self.step)  # the first step compiles, allocates, sets up NCCL: the long limit
                 self.hb.take_times()  # the straggler report counts training steps only
                 self.hb.enter("collective", "preemption poll on the world")

@@ -295,3 +295,17 @@ def test_plan_cli_takes_figures_and_bench_links(tmp_path):
     assert flops["half"] == pytest.approx(2 * flops["base"])  # the FLOPs' part: narrow matmuls are memory's
     code, text = plan("--hw", "memory_gib=-1")
     assert code == 2 and "memory_gib=-1.0 must be a positive finite number" in text
+
+
+def test_float8_peak_is_the_rate_of_the_mix() -> None:
+    """A float8 run's FLOPs split between float8 matmuls (the blocks' linears) and bf16 ones: the mix's peak is the
+    rate at which the whole takes as long as its parts (a quarter at fp8 and three quarters at bf16 on an H100 SXM:
+    0.25 / 1979 + 0.75 / 989.5 per TFLOP)."""
+    hw = profile("h100-sxm")
+    assert hw.float8_peak(1.0) == pytest.approx(hw.peak("fp8")) and hw.float8_peak(0.0) == pytest.approx(
+        hw.peak("bf16"))
+    assert hw.float8_peak(0.25) == pytest.approx(1 / (0.25 / 1979 + 0.75 / 989.5), rel=1e-3)
+    with pytest.raises(ValueError, match="float8 share of the FLOPs 1.5"):
+        hw.float8_peak(1.5)
+    with pytest.raises(ValueError, match="no 'fp8' peak"):
+        profile("a100-80g").float8_peak(0.5)

@@ -277,8 +277,18 @@ def test_outputs_consistent():
     assert est.hfu > est.mfu and est.hfu <= timing.EFFICIENCY
     assert json.loads(json.dumps(est.to_json()))["terms"]["compute_s"] == est.terms["compute_s"]
     fp8, bf16 = run(precision="fp8"), run()
+    # the FLOPs' part (the narrow matmuls' is memory's): the blocks' linears at twice bf16's peak, attention's core
+    # and the output projection at bf16's
+    blocks = 32 * timing.block_flops(LLAMA, 4096)  # pp 2: the stages' average, 16 blocks and half the head each
+    linear = blocks * timing.block_linear_share(LLAMA, 4096)
+    head = 6.0 * LLAMA.vocab * LLAMA.dim
     assert fp8.terms["compute_s"] - fp8.basis["gemm_memory_s"] == pytest.approx(
-        (bf16.terms["compute_s"] - bf16.basis["gemm_memory_s"]) / 2)  # the FLOPs' part; the narrow matmuls' is memory's
+        (bf16.terms["compute_s"] - bf16.basis["gemm_memory_s"]) * (linear / 2 + blocks - linear + head)
+        / (blocks + head))
+    # MFU against the peak of the same mix (Hardware.float8_peak): fp8's FLOPs share the bf16 run's, in less time
+    assert fp8.mfu == pytest.approx(fp8.model_tflops_per_gpu / profile("h100-sxm").float8_peak(
+        6 * 32 * LLAMA.block_weights() / LLAMA_FLOPS))
+    assert fp8.mfu < fp8.model_tflops_per_gpu / (1979 / 2)
 
 
 def test_narrow_matmuls_run_at_the_memory_rate():

@@ -56,6 +56,25 @@ def test_cpu_configured_and_nothing_known() -> None:
     assert choose_peak("NVIDIA A100-SXM4-80GB", "fp8", 0.0, GEMM).source.endswith("(NVIDIA A100 SXM has no fp8 figure)")
 
 
+def test_fp8_runs_are_measured_against_the_peak_of_their_mix() -> None:
+    """train.precision = "fp8" runs the blocks' linears in float8 and the rest in bf16: MFU's peak is the mix's
+    (Llama 3.1 8B at 8192 tokens: 72% of the model FLOPs in the blocks' linears), not the fp8 figure, under which
+    the same run would read about 40% lower."""
+    from hpctrain.config import load_config
+    from hpctrain.model.dims import ModelDims
+    dims = ModelDims.from_config(load_config(None, [
+        "model.vocab_size=128256", "model.dim=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_dim=14336",
+        "model.n_layers=32", "model.max_seq_len=8192"]).model)
+    share = dims.float8_flops_per_token() / dims.flops_per_token(8192)
+    assert share == pytest.approx(0.723, abs=1e-3)
+    got = choose_peak("NVIDIA H100 80GB HBM3", "fp8", 0.0, GEMM, share)
+    assert got.tflops == pytest.approx(1 / (share / 1979 + (1 - share) / 989.5))
+    assert got.source == "datasheet: NVIDIA H100 SXM fp8 dense for the 72% of the FLOPs in float8 matmuls, bf16 " \
+                         "dense for the rest"
+    assert choose_peak("NVIDIA H100 80GB HBM3", "fp8", 0.0, GEMM).tflops == 1979  # all of them float8
+    assert choose_peak("NVIDIA H100 80GB HBM3", "fp8", 700.0, GEMM, share).tflops == 700.0  # configured wins
+
+
 def test_table_is_dense_and_consistent() -> None:
     """Tensor-core rates double from tf32 to bf16 to fp8 on every listed part (within the datasheets' rounding:
     B200's TF32 is given as 2.2 against BF16's 4.5): a figure "with sparsity" copied by mistake breaks the ratio."""
