@@ -27,8 +27,22 @@ LOCKING = False
 RAW_DTYPES = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass that holds one of the same shape and dtype (torchao's float8
+    weights under FSDP's float8 all-gather keep their fp32 values so); other tensors as they are."""
+    while type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        inner = getattr(t, names[0], None) if names else None
+        if not isinstance(inner, torch.Tensor) or inner.shape != t.shape or inner.dtype != t.dtype:
+            break
+        t = inner
+    return t
+
+
 def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as numpy (bit patterns for dtypes numpy lacks); t must be a CPU tensor."""
+    """The tensor's memory as numpy (bit patterns for dtypes numpy lacks); t must be a CPU tensor (or a wrapper of
+    one, plain())."""
+    t = plain(t)
     raw = RAW_DTYPES.get(t.dtype)
     return (t.view(raw) if raw is not None else t).numpy()
 

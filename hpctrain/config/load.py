@@ -49,6 +49,9 @@ class Config:
         p = self.parallel
         check(t.precision != "fp8" or self.job.gpus_per_node > 0, "train.precision = 'fp8' needs GPUs with float8 "
               "matmuls (H100, H200, B200) but job.gpus_per_node = 0: a CPU has none; train in bf16 or fp32")
+        check(not t.fp8_all_gather or p.zero_stage in (2, 3), f"train.fp8_all_gather = true with "
+              f"parallel.zero_stage = {p.zero_stage}: only FSDP (ZeRO-2 or 3) gathers weights; use 2 or 3, or "
+              f"leave it false")
         check(t.precision != "fp8" or p.tp == 1, f"train.precision = 'fp8' with parallel.tp = {p.tp}: float8 "
               f"tensor-parallel layers are not supported; use tp = 1 (with FSDP, pp or cp), or bf16 with tp")
         # torch 2.13's zero-bubble schedules split each stage's backward into input and weight parts, which a

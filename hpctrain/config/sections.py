@@ -276,6 +276,10 @@ class TrainConfig:
     # layers' matmuls in float8 (torchao, `pip install hpctrain[fp8]`; GPUs with float8 matmuls: H100, H200, B200)
     precision: str = "fp32"
     fp8_scaling: str = "rowwise"  # with precision = "fp8": rowwise | tensorwise (torchao's recipes)
+    # with precision = "fp8", fp8_scaling = "tensorwise" and ZeRO-2/3: FSDP gathers the blocks' linear weights in
+    # float8 (1 byte a weight where bf16 takes 2; their scales from one extra small all-reduce each), as torchtitan
+    # offers; the weights, gradients and checkpoints stay fp32
+    fp8_all_gather: bool = False
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16
     loss_scale: float = 65536.0  # initial dynamic loss scale for fp16
     # this many consecutive non-finite steps (loss or gradients nan or inf, each skipped) stop the run with an
@@ -326,6 +330,10 @@ class TrainConfig:
                f"start-up; give more than {startup}")
         one_of("train", "precision", self.precision, ("fp32", "bf16", "fp16", "fp8"))
         one_of("train", "fp8_scaling", self.fp8_scaling, ("rowwise", "tensorwise"))
+        check(not self.fp8_all_gather or (self.precision, self.fp8_scaling) == ("fp8", "tensorwise"),
+              f"train.fp8_all_gather = true needs train.precision = 'fp8' with train.fp8_scaling = 'tensorwise' "
+              f"(torchao gathers float8 weights with one scale a tensor), not precision = {self.precision!r}, "
+              f"fp8_scaling = {self.fp8_scaling!r}")
         one_of("train", "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         one_of("train", "ac", self.ac, ("none", "full", "every", "selective", "op"))
         check(len(self.profile_steps) in (0, 2) and (not self.profile_steps or

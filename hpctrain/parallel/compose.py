@@ -101,7 +101,7 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     if stages:
         pipeline.prune(model, stages, pp_rank)
     if cfg.train.precision == "fp8":
-        to_float8(model, cfg.train.fp8_scaling)
+        to_float8(model, cfg.train.fp8_scaling, cfg.train.fp8_all_gather)
     if tp > 1:
         keys = list(model.layers)
         recomputed = [keys[i] for i in recompute.recomputed_blocks(len(keys), cfg.train.ac, cfg.train.ac_every)]
@@ -135,13 +135,17 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
     return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type, tied)
 
 
-def to_float8(model: Transformer, scaling: str) -> None:
+def to_float8(model: Transformer, scaling: str, all_gather: bool = False) -> None:
     """train.precision = "fp8": the blocks' linear layers become torchao's Float8Linear (their matmuls in float8 with
     rowwise or tensorwise scales, the weights and their gradients as before: checkpoints do not change); the output
-    projection stays in bf16, as torchtitan keeps it. GPUs only (trainer.check_precision refused the rest)."""
+    projection stays in bf16, as torchtitan keeps it. all_gather (train.fp8_all_gather, tensorwise): their weights
+    become torchao's float8-gathering wrappers of the fp32 weights, which FSDP then gathers in float8 (the
+    checkpoint writes the fp32 inside, h5file.plain). GPUs only (trainer.check_precision refused the rest)."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(scaling),
-                               module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(scaling), enable_fsdp_float8_all_gather=all_gather)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
 
 
 def compile_blocks(model: Transformer, in_place: bool = False) -> None:

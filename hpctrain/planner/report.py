@@ -95,6 +95,7 @@ def time_estimate(cfg: Config, plan: Plan, hw: Hardware, host: bool = True,
                            dp_replicate=p.dp_replicate,
                            # DDP reduces ZeRO-0/1 without tp or pp (parallel.data.gradient_sync)
                            ddp_bucket_mb=p.ddp_bucket_mb if lay.tp == 1 and lay.pp == 1 else None,
+                           float8_gather=t.fp8_all_gather,
                            sequence_parallel=p.sequence_parallel, recompute=t.ac, ac_every=t.ac_every,
                            precision=t.precision, reduce_dtype=t.reduce_dtype, efficiency=hw.efficiency,
                            tp_projections="fused" if plan.dims.fused_projections else "separate",

@@ -72,7 +72,8 @@ Links run at the profile's figures: datasheet ceilings unless `hpctrain bench` m
 optimistic on datasheet profiles. Not modelled: the optimizer step (apart from a CPU's host terms), data loading,
 collectives slowing concurrent GEMMs, kernel launch gaps, stragglers, network congestion. fp8 runs the blocks'
 linears at the fp8 peak and the rest (attention's scores and values, the output projection) at bf16's, as
-torchao's Float8Linear on the blocks does (Hardware.float8_peak: MFU's peak too), and communicates in bf16.
+torchao's Float8Linear on the blocks does (Hardware.float8_peak: MFU's peak too), and communicates in bf16, but
+for FSDP's gathers of the blocks' weights under train.fp8_all_gather (float8_gather: a byte a weight).
 """
 from __future__ import annotations
 
@@ -231,7 +232,7 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
              tp_projections: str = "fused", efficiency: float | None = None, host_block_s: float = 0.0,
              host_step_s: float = 0.0, host_token_s: float = 0.0, accumulate_unsharded: bool = False,
              zero1_broadcast: bool = False, cp: int = 1, offload: str = "none", dp_replicate: int = 1,
-             ddp_bucket_mb: float | None = None) -> TimeEstimate:
+             ddp_bucket_mb: float | None = None, float8_gather: bool = False) -> TimeEstimate:
     """Step time of one layout (see the module docstring). `efficiency` replaces EFFICIENCY (e.g. a measured one).
     host_block_s, host_token_s and host_step_s: host work that does not overlap the compute (a CPU's, see
     Hardware.host_*_s), per block and micro-batch on the busiest stage, per token and unit of width besides, and per
@@ -244,7 +245,8 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     on the host (gradients down and parameters up once per step). dp_replicate: HSDP's replicas (ZeRO-2/3): FSDP's
     traffic in a shard group of dp x cp / dp_replicate ranks, and the gradient shards all-reduced across the
     replicas. ddp_bucket_mb: DDP's bucket (zero_stage 0/1 reducing through DDP): the last bucket's all-reduce
-    cannot start before backward ends, so at least its time stays exposed; None: the last block's share."""
+    cannot start before backward ends, so at least its time stays exposed; None: the last block's share.
+    float8_gather (train.fp8_all_gather): FSDP gathers the blocks' linear weights in float8, 1 byte each."""
     if precision not in MATMUL_DTYPE:
         raise ValueError(f"precision = {precision!r}: expected one of {', '.join(MATMUL_DTYPE)}")
     if tp_projections not in TP_PROJECTIONS:
@@ -317,6 +319,9 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     dp_link = intra if dp <= per_node else min(intra, per_node * inter)
     p_rank = shape.params() / (tp * pp)
     reduce_b = REDUCE_BYTES[reduce_dtype]
+    gather = act  # bytes an FSDP gather moves per parameter; float8_gather: the blocks' linears in 1 byte
+    if float8_gather:
+        gather = act - (act - 1) * shape.n_layers * shape.block_weights() / shape.params()
     replicate_comm = 0.0
     if dp_replicate > 1:  # each rank's gradient shard all-reduced over the replicas (one rank per replica): per
         # step, or per micro-batch where offload reduces every micro-batch; the replicas of a node's shard groups
@@ -331,10 +336,10 @@ def estimate(shape: Shape, hw: Hardware, *, seq_len: int, global_batch: int, mic
     elif zero_stage == 1 and zero1_broadcast:
         dp_comm = ring(dp) * p_rank * (2 * reduce_b + 4) / dp_link
     elif zero_stage in (1, 2):
-        dp_comm = ring(dp) * p_rank * ((m if offload == "all" else 1) * reduce_b + act) / dp_link
+        dp_comm = ring(dp) * p_rank * ((m if offload == "all" else 1) * reduce_b + gather) / dp_link
     else:
         once = accumulate_unsharded and offload != "all"
-        dp_comm = ring(dp) * p_rank * (2 * m * act + (1 if once else m) * reduce_b) / dp_link
+        dp_comm = ring(dp) * p_rank * (2 * m * gather + (1 if once else m) * reduce_b) / dp_link
     if dp > 1:
         dp_comm += replicate_comm
     hideable = compute if zero_stage == 3 else compute / m

@@ -100,14 +100,16 @@ def counting_all_gathers(counter: list[int]):
         dist.all_gather_single = real
 
 
-def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str = "") -> dict:
+def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str = "",
+             fp8_all_gather: bool = False) -> dict:
     """Trains one case with the product's own loop (Trainer.fit, checkpoints off) and watches every step through
     fit's on_step; rank 0 saves {"losses", "grad_norms", "skipped", "scales", "weights", "fsdp", "gathers"} to
     `out`. grad_norms: the global pre-clip norm of each step (inf on a step skipped for non-finite gradients);
     gathers: FSDP's all-gathers during the last step. inject_inf_step: the last rank's gradients turn infinite
     in that step. fp8: "rowwise" or "tensorwise" trains with train.precision = "fp8" on this CPU (torchao's
     float8 layers, their scaled matmuls emulated), which the product refuses for a CPU job: the config is loaded in
-    bf16 and switched after its checks, and the trainer's device check is lifted for the case."""
+    bf16 and switched after its checks, and the trainer's device check is lifted for the case; fp8_all_gather sets
+    train.fp8_all_gather with it."""
     from hpctrain.config import load_config
     from hpctrain.job import session
     from hpctrain.train.metrics import host_values
@@ -120,7 +122,7 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str
     if fp8:
         from hpctrain.train import trainer
         assert cfg.train.precision == "bf16", "an fp8 case is loaded in bf16, then switched"
-        cfg.train.precision, cfg.train.fp8_scaling = "fp8", fp8
+        cfg.train.precision, cfg.train.fp8_scaling, cfg.train.fp8_all_gather = "fp8", fp8, fp8_all_gather
         lifted.enter_context(_lifted(trainer, "float8_refusal", lambda *args: ""))
     with lifted, session.start(cfg) as s:
         tr = Trainer(cfg, s)
@@ -143,7 +145,8 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str
         before(1)
         with counting:
             summary = tr.fit(on_step=watch)
-        assert [r["step"] for r in rows] == list(range(1, steps + 1)) and summary["losses"] == [
+        first = 1 if cfg.train.resume in ("auto", "none") else rows[0]["step"]  # a named checkpoint: after it
+        assert [r["step"] for r in rows] == list(range(first, steps + 1)) and summary["losses"] == [
             r["loss"] for r in rows]
         weights = full_weights(tr.model)
         # what a pipeline's stages still hold of the last step's outputs (the schedule's merged output: logits)
@@ -171,7 +174,12 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str
                             m.device.type == "cpu" for m in getattr(tr.optimizer, "params_of", {})),
                         "fused": fused_modules([tr.model, *tr.pm.parts]),
                         "float8": sorted({name for part in [tr.model, *tr.pm.parts]
-                                          for name, m in part.named_modules() if type(m).__name__ == "Float8Linear"})},
+                                          for name, m in part.named_modules() if type(m).__name__ == "Float8Linear"}),
+                        # train.fp8_all_gather: FSDP's shards of torchao's float8-gathering weights
+                        "float8_gathered": sum(type(getattr(p, "_local_tensor", p)).__name__
+                                               == "WeightWithDynamicFloat8CastTensor"
+                                               for part in [tr.model, *tr.pm.parts] for p in part.parameters()),
+                        "run_dir": str(s.run_dir)},
                        out)
     return {"losses": summary["losses"]}
 

@@ -37,7 +37,7 @@ def main(out: str, cases_json: str, base_port: int) -> None:
         try:
             with seams.gradient_mutation(case.get("mutation")):  # a case's deliberate bug, for this case only
                 run_case(case["overrides"], Path(out) / f"{case['name']}.pt", case.get("inject_inf_step", 0),
-                         case.get("fp8", ""))
+                         case.get("fp8", ""), case.get("fp8_all_gather", False))
         except Exception as e:  # recorded so the test shows which case failed and why
             errors[case["name"]] = f"{type(e).__name__}: {e}"
     Path(out, f"errors-rank{rank}.json").write_text(json.dumps(errors))

@@ -17,6 +17,7 @@ Triton) only run in tests/device/.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +35,13 @@ TWO = [{"name": "dp2_zero3", "overrides": DP2 + ["parallel.zero_stage=3"], "fp8"
        {"name": "cp2", "overrides": BF16 + ["parallel.cp=2"], "fp8": "rowwise"},
        {"name": "dp2_zero3_compiled", "overrides": DP2 + ["parallel.zero_stage=3", "train.compile=true"],
         "fp8": "rowwise"},
-       {"name": "dp2_zero3_tensorwise", "overrides": DP2 + ["parallel.zero_stage=3"], "fp8": "tensorwise"}]
+       {"name": "dp2_zero3_tensorwise", "overrides": DP2 + ["parallel.zero_stage=3"], "fp8": "tensorwise"},
+       # FSDP gathering the blocks' weights in float8 (train.fp8_all_gather), its last step checkpointed
+       {"name": "dp2_zero3_gather8", "overrides": DP2 + ["parallel.zero_stage=3", "checkpoint.every_steps=4",
+                                                         "checkpoint.at_end=true"],
+        "fp8": "tensorwise", "fp8_all_gather": True}]
 ROWWISE = [c["name"] for c in TWO if c["fp8"] == "rowwise"]
+TENSORWISE = [c["name"] for c in TWO if c["fp8"] == "tensorwise"]
 # per-step losses of 8 steps: seen within 9e-4 of one process (fp8 or bf16) in every case; the gradient norms are
 # held to bf16's BF16_NORM_RTOL (seen within 4.4e-3)
 FP8_LOSS_TOL = 5e-3
@@ -48,6 +54,14 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case(BF16, out / "ref.pt", fp8="rowwise")  # one process, the same 8 sequences a step
     run_case(BF16, out / "ref_bf16.pt")
     logs = [p.communicate(timeout=600)[0] for p in running]
+    # the float8-gathering run resumed from its step-4 checkpoint (loaded into torchao's wrappers of the weights)
+    step4 = next((out / "dp2_zero3_gather8-runs").glob("*/checkpoints/step_00000004"), None)
+    if step4 is not None:
+        resumed = [{**TWO[-1], "name": "dp2_zero3_gather8_resumed",
+                    "overrides": TWO[-1]["overrides"] + [f"train.resume={step4}", "checkpoint.every_steps=0",
+                                                         "checkpoint.at_end=false"]}]
+        running = spawn_train_worker(2, resumed, out)
+        logs += [p.communicate(timeout=600)[0] for p in running]
     errors = {}
     for f in out.glob("errors-rank*.json"):
         errors.update(json.loads(f.read_text()))
@@ -93,11 +107,40 @@ def test_tensorwise_scales_train_too(results) -> None:
     compare_runs(got, results["ref_bf16"], FP8_LOSS_TOL, None, BF16_NORM_RTOL)
 
 
+def test_fsdp_gathers_float8_and_checkpoints_the_fp32_weights(results) -> None:
+    """train.fp8_all_gather: every block linear's shard is torchao's float8-gathering weight (14 of them), the run
+    stays within fp8's tolerance of the same layout gathering bf16 (the cast moves before the gather, with the
+    same whole-tensor scale), and its checkpoint holds the fp32 values inside those wrappers: what it wrote, read
+    back and assembled (every dataset's checksum checked), equals the run's own full weights."""
+    from hpctrain.checkpoint import inspection
+    got, plain = results["dp2_zero3_gather8"], results["dp2_zero3_tensorwise"]
+    assert got["float8_gathered"] == 14 and plain["float8_gathered"] == 0
+    assert got["losses"] != plain["losses"]
+    compare_runs(got, plain, FP8_LOSS_TOL, None, BF16_NORM_RTOL)
+    ckpts = sorted((Path(got["run_dir"]) / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_00000004", "step_00000008"], ckpts
+    mt = inspection.model_tensors(ckpts[-1])
+    with inspection.full_tensor_reader(mt) as read:
+        stored = {fqn.removeprefix("model."): torch.from_numpy(read(fqn, tuple(tmd.size)).copy())
+                  for fqn, tmd in mt.tensors}
+    assert stored.keys() == got["weights"].keys()
+    assert all(torch.equal(stored[k], got["weights"][k]) for k in stored)
+
+
+def test_float8_gathering_run_resumes_where_it_stopped(results) -> None:
+    """Resumed from its step-4 checkpoint, the float8-gathering run trains steps 5-8 exactly as it did the first
+    time: the fp32 weights and AdamW state went back into torchao's wrappers."""
+    whole, resumed = results["dp2_zero3_gather8"], results["dp2_zero3_gather8_resumed"]
+    assert resumed["losses"] == whole["losses"][4:] and resumed["grad_norms"] == whole["grad_norms"][4:]
+    assert all(torch.equal(resumed["weights"][k], whole["weights"][k]) for k in whole["weights"])
+    assert resumed["float8_gathered"] == 14
+
+
 def test_checkpointed_weights_are_those_of_a_bf16_run(results) -> None:
     """What a checkpoint holds (the full weights) has the names, shapes and fp32 dtype of a bf16 run's, in every
     layout: an fp8 run's checkpoint reshards and resumes in bf16 as any other."""
     want = {k: (v.shape, v.dtype) for k, v in results["ref_bf16"]["weights"].items()}
     assert all(dtype == torch.float32 for _, dtype in want.values())
-    for case in ["ref", *ROWWISE, "dp2_zero3_tensorwise"]:
+    for case in ["ref", *ROWWISE, *TENSORWISE]:
         got = {k: (v.shape, v.dtype) for k, v in results[case]["weights"].items()}
         assert got == want, case

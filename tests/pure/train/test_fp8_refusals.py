@@ -31,6 +31,19 @@ def test_config_refuses_fp8_on_cpus_and_with_tensor_parallel() -> None:
     assert load_config(None, ["train.precision=bf16"]).train.compute == "bf16"
 
 
+def test_float8_gathers_need_tensorwise_fp8_under_fsdp() -> None:
+    """train.fp8_all_gather: torchao gathers float8 weights with one scale a tensor, and only FSDP gathers."""
+    tw = GPU + ["train.fp8_scaling=tensorwise", "train.fp8_all_gather=true"]
+    refused(load_config, None, GPU + ["train.fp8_all_gather=true"], fragments=[
+        "train.fp8_all_gather = true", "fp8_scaling = 'rowwise'", "tensorwise"])
+    refused(load_config, None, ["job.gpus_per_node=8", "job.tasks_per_node=8", "train.precision=bf16",
+                                "train.fp8_all_gather=true"],
+            fragments=["train.fp8_all_gather = true", "precision = 'bf16'"])
+    refused(load_config, None, tw + ["parallel.zero_stage=1"], fragments=["train.fp8_all_gather = true",
+                                                                         "parallel.zero_stage = 1", "2 or 3"])
+    assert load_config(None, tw + ["parallel.zero_stage=3"]).train.fp8_all_gather
+
+
 def test_the_device_check_names_what_is_missing() -> None:
     assert "capability 8.9" in float8_refusal("cpu", None, "cpu", True)
     a100 = float8_refusal("cuda", (8, 0), "NVIDIA A100-SXM4-80GB", True)
