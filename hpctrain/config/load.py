@@ -52,8 +52,6 @@ class Config:
         check(not t.fp8_all_gather or p.zero_stage in (2, 3), f"train.fp8_all_gather = true with "
               f"parallel.zero_stage = {p.zero_stage}: only FSDP (ZeRO-2 or 3) gathers weights; use 2 or 3, or "
               f"leave it false")
-        check(t.precision != "fp8" or p.tp == 1, f"train.precision = 'fp8' with parallel.tp = {p.tp}: float8 "
-              f"tensor-parallel layers are not supported; use tp = 1 (with FSDP, pp or cp), or bf16 with tp")
         # torch 2.13's zero-bubble schedules split each stage's backward into input and weight parts, which a
         # compiled module's one backward graph cannot give (ScheduleZBVZeroBubble raises on an OptimizedModule)
         check(not (t.compile and p.pp > 1 and p.pp_schedule in ("zbv", "interleaved_zero_bubble")),

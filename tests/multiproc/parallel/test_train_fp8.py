@@ -5,12 +5,12 @@ A CPU job's fp8 is refused (there are no float8 matmuls to gain from: config loa
 say so, tests/pure/train/test_fp8_refusals.py). torchao's float8 layers still run here, their scaled matmuls
 emulated, so these cases lift the refusal (helpers.training.run_case's fp8: loaded in bf16, switched after the
 config's checks, the trainer's device check patched for the case) and run the product's own fp8 path: the blocks'
-linears become Float8Linear, then FSDP (ZeRO-2/3), DDP, the pipeline, context parallel and compiled blocks wrap
-them as on a GPU. With rowwise scales (the default) every row and column scale is computed where it is on one
-process (FSDP gathers whole weights before the cast; activations are scaled per token), so a layout matches one
-process training in fp8 within bf16's tolerances. Checkpoints are unchanged by fp8: the weights are the same fp32
-tensors, under the same names, as a bf16 run's. The GPU's kernels themselves (cuBLAS's float8 matmuls, inductor's
-Triton) only run in tests/device/.
+linears become Float8Linear, then tensor parallel, FSDP (ZeRO-2/3), DDP, the pipeline, context parallel and
+compiled blocks wrap them as on a GPU. With rowwise scales (the default) the data-parallel layouts scale as one
+process does (FSDP gathers whole weights before the cast; activations are scaled per token), and every layout
+matches one process training in fp8 within FP8_LOSS_TOL and bf16's gradient-norm tolerance. Checkpoints are
+unchanged by fp8: the weights are the same fp32 tensors, under the same names, as a bf16 run's. The GPU's kernels
+themselves (cuBLAS's float8 matmuls, inductor's Triton) only run in tests/device/.
 
     PATH=$PWD/.venv/bin:$PATH .venv/bin/python -m pytest -q tests/multiproc/parallel/test_train_fp8.py
 """
@@ -33,6 +33,11 @@ TWO = [{"name": "dp2_zero3", "overrides": DP2 + ["parallel.zero_stage=3"], "fp8"
        {"name": "dp2_zero0", "overrides": DP2 + ["parallel.zero_stage=0"], "fp8": "rowwise"},
        {"name": "pp2_1f1b", "overrides": BF16 + PP + ["parallel.pp_schedule=1f1b"], "fp8": "rowwise"},
        {"name": "cp2", "overrides": BF16 + ["parallel.cp=2"], "fp8": "rowwise"},
+       # tensor parallel: torch's column- and row-parallel plans over the float8 layers (DTensor weights, their
+       # activations gathered and reduced in bf16), with sequence parallel and op-level recompute
+       {"name": "tp2", "overrides": BF16 + ["parallel.tp=2"], "fp8": "rowwise"},
+       {"name": "tp2_sp_op", "overrides": BF16 + ["parallel.tp=2", "parallel.sequence_parallel=true", "train.ac=op"],
+        "fp8": "rowwise"},
        {"name": "dp2_zero3_compiled", "overrides": DP2 + ["parallel.zero_stage=3", "train.compile=true"],
         "fp8": "rowwise"},
        {"name": "dp2_zero3_tensorwise", "overrides": DP2 + ["parallel.zero_stage=3"], "fp8": "tensorwise"},
@@ -84,8 +89,9 @@ def test_the_blocks_linears_are_float8_and_the_output_is_not(results) -> None:
     assert "output" in linears and len(linears) == 1 + 2 * 7  # wq wk wv wo w1 w2 w3 in each of 2 blocks
     assert results["ref"]["float8"] == sorted(linears - {"output"})
     assert results["ref_bf16"]["float8"] == []
-    for case in ROWWISE:  # DDP's names start with module., compiled blocks' gain _orig_mod.
-        names = {n.removeprefix("module.").replace("_orig_mod.", "") for n in results[case]["float8"]}
+    from hpctrain.model.transformer import clean_name  # DDP's, compile's and recompute's prefixes dropped
+    for case in ROWWISE:
+        names = {clean_name(n) for n in results[case]["float8"]}
         # rank 0 holds the pipeline's first block only
         assert names == {n for n in linears - {"output"} if case != "pp2_1f1b" or n.startswith("layers.0.")}, case
 
