@@ -250,8 +250,9 @@ def _bench_argv(ctx: click.Context) -> list[str]:
 @main.command()
 @CONFIG_ARG
 @SET_OPT
-@click.option("--gpu", default=None, help="Datasheet hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, h200, "
-              "b200, mi250x, mi300x); default: job.hw_profile, else job.gpu, else h100-sxm on a GPU job.")
+@click.option("--gpu", default=None, help="Datasheet hardware profile (a100-40g, a100-80g, h100-sxm, h100-pcie, "
+              "h100-96g-500w, h200, b200, mi250x, mi300x); default: job.hw_profile, else job.gpu, else h100-sxm "
+              "on a GPU job.")
 @click.option("--profile", "profile_file", default=None, type=click.Path(dir_okay=False),
               help="A calibrated profile file (--calibrate's); default: job.hw_profile.")
 @click.option("--calibrate", is_flag=True, help="Measure this machine (the GEMM rate, and one-rank training steps "

@@ -57,8 +57,8 @@ class JobConfig:
     srun_args: list[str] = field(default_factory=list)
     wait_timeout_s: int = 120  # how long --wait waits for results after the job left the queue
     # hardware profile the planner checks the layout against before submission (hpctrain plan --gpu: a100-40g,
-    # a100-80g, h100-sxm, h100-pcie, h200, b200, mi250x, mi300x), and the doctor's datasheet checks: datasheet
-    # figures; "": none (a CPU has no datasheet: calibrate it, job.hw_profile)
+    # a100-80g, h100-sxm, h100-pcie, h100-96g-500w, h200, b200, mi250x, mi300x), and the doctor's datasheet
+    # checks: datasheet figures; "": none (a CPU has no datasheet: calibrate it, job.hw_profile)
     gpu: str = ""
     # a calibrated hardware profile (a JSON file `hpctrain plan --calibrate -o FILE` wrote on the machine the job
     # runs on); when set the planner uses it instead of job.gpu. A CPU job is planned only with one (no datasheet)

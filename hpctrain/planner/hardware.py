@@ -192,6 +192,12 @@ _DS = DATASHEET_TFLOPS
 #     reference architecture, "Core Components", docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-
 #     foundation-enterprise-ai/latest/core-components.html): 640 GB in 8 GPUs, 8 x single-port ConnectX-7 up to
 #     400 Gb/s. Confirmed: every h100 figure (PCIe inter-node 50 assumes a NIC per card, a platform choice).
+#   h100-96g-500w: torchtitan's docs/performance.md (github.com/pytorch/torchtitan), its benchmark platform: Grand
+#     Teton hosts of 8 H100 fully connected with NVLink, each with 96 GB HBM2e at 2.4 TB/s peak memory bandwidth, at
+#     the default 500 W power limit, 400 Gb/s of RDMA per GPU between hosts. No compute peak is published for the
+#     part at 500 W (torchtitan's benchmark notes put it between NVL and SXM): the SXM figures stand as an upper
+#     bound (the same GH100; the cap lowers sustained clocks by an unpublished amount), so the planner is optimistic
+#     on it unless given a measured peak (--hw peak_bf16=...). Confirmed: memory, bandwidth, NVLink, network, power.
 #   host_link_gbps (PCIe, per direction): the A100 datasheet's PCIe Gen4 64 GB/s and the H100 datasheet's PCIe Gen5
 #     128 GB/s are both directions together -> 32 and 64. Not set where no source was reached (h200, b200, AMD).
 #   h200: same BasePOD page: DGX H200 1,128 GB in 8 GPUs (-> 141), same 8 x ConnectX-7 400 Gb/s. Confirmed: memory,
@@ -229,6 +235,11 @@ PROFILES: dict[str, Hardware] = {h.name: h for h in (
              f"{_NV} H100 datasheet (SXM); NVLink 4; NDR 400 Gb/s per GPU", host_link_gbps=64, hbm_gbps=3350),
     Hardware("h100-pcie", _DS["NVIDIA H100 PCIe"], 80, 64, 50, 8,
              f"{_NV} H100 datasheet (PCIe); PCIe Gen5 x16; NDR 400 Gb/s", host_link_gbps=64, hbm_gbps=2000),
+    # the power-capped H100 of torchtitan's Llama 3.1 benchmarks (Grand Teton hosts): 96 GB HBM2e at 2.4 TB/s, 500 W;
+    # the SXM peaks are an upper bound (sources above)
+    Hardware("h100-96g-500w", _DS["NVIDIA H100 SXM"], 96, 450, 50, 8,
+             f"{_NV} H100 96 GB HBM2e at 500 W (torchtitan's Grand Teton hosts); SXM peaks as an upper bound; "
+             "NVLink 4; 400 Gb/s per GPU", host_link_gbps=64, hbm_gbps=2400),
     Hardware("h200", _DS["NVIDIA H200"], 141, 450, 50, 8,
              f"{_NV} DGX H200 (141 GB); H100 SXM peaks; NVLink 4; NDR 400 Gb/s/GPU", hbm_gbps=4800),
     # Blackwell datasheet HGX B200 column: 180 GB per GPU; DGX B200: 8 x ConnectX-7 400 Gb/s (sources above)

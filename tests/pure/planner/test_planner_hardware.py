@@ -17,11 +17,12 @@ from hpctrain.bench.sweep import Row, bandwidths
 from hpctrain.planner import hardware
 from hpctrain.planner.hardware import DTYPES, OVERRIDABLE, PROFILES, bandwidths_from_bench, profile
 
-NAMES = ["a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "mi250x", "mi300x"]
+NAMES = ["a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h100-96g-500w", "h200", "b200", "mi250x", "mi300x"]
 GPUS = NAMES
 # profile -> the DATASHEET_TFLOPS part with the same silicon and clocks
 SAME_PART = {"a100-40g": "NVIDIA A100 SXM", "a100-80g": "NVIDIA A100 SXM", "h100-sxm": "NVIDIA H100 SXM",
-             "h100-pcie": "NVIDIA H100 PCIe", "h200": "NVIDIA H200", "b200": "NVIDIA B200",
+             "h100-pcie": "NVIDIA H100 PCIe", "h100-96g-500w": "NVIDIA H100 SXM", "h200": "NVIDIA H200",
+             "b200": "NVIDIA B200",
              "mi250x": "AMD Instinct MI250X", "mi300x": "AMD Instinct MI300X"}
 
 
@@ -81,6 +82,7 @@ CITED = {
     "a100-80g": (80, 600 / 2, 200 / 8, 19.5, 312.0, None),
     "h100-sxm": (80, 900 / 2, 400 / 8, 67.0, 1979 / 2, 3958 / 2),
     "h100-pcie": (80, 128 / 2, 400 / 8, 51.0, 1513 / 2, 3026 / 2),
+    "h100-96g-500w": (96, 900 / 2, 400 / 8, 67.0, 1979 / 2, 3958 / 2),  # SXM peaks: an upper bound
     "h200": (1128 / 8, 900 / 2, 400 / 8, 67.0, 1979 / 2, 3958 / 2),
     "b200": (180, 1800 / 2, 400 / 8, 75.0, 4500 / 2, 9000 / 2),
     "mi250x": (128 / 2, 50, 200 / 8 / 2, 95.7 / 2, 383.0 / 2, None),
