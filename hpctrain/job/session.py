@@ -23,6 +23,7 @@ Every rank sees the same gathered identities, so a refused layout is refused on 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import logging
 import os
@@ -216,12 +217,21 @@ def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False)
     t0 = time.time()
     flag = process_flag()  # first: a preemption signal from here on is kept, not fatal
     open_files = raise_open_files()  # before MPI, the store and gloo open theirs; said once the log is set up
-    ident = rendezvous.identify(cfg.parallel.rendezvous)
-    rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
     p = cfg.parallel
-    device = rendezvous.init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rdzv_dir,
-                                         interface=p.interface, connect_timeout_s=p.connect_timeout_s,
-                                         flight_recorder=p.flight_recorder)
+    if p.hang_limits_s is not None:
+        # until the hang watchdog runs: a rank stuck in MPI's start or an MPI exchange of the rendezvous (no timeout
+        # of their own) prints every thread's stack to stderr and exits 1 after the watchdog's long limit, which
+        # ends the launch; faulthandler's own thread fires while the main thread is inside MPI, GIL held or not
+        faulthandler.dump_traceback_later(p.hang_limits_s[1], exit=True)
+    try:
+        ident = rendezvous.identify(p.rendezvous)
+        rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
+        device = rendezvous.init_distributed(ident, p.backend, p.timeout_s, p.master_addr, rdzv_dir,
+                                             interface=p.interface, connect_timeout_s=p.connect_timeout_s,
+                                             flight_recorder=p.flight_recorder)
+    except BaseException:
+        faulthandler.cancel_dump_traceback_later()
+        raise
     failed = False
     try:
         s = Session(cfg, ident, device, _agree_run_dir(cfg, Path(run_dir) if run_dir else None, ident.rank),
@@ -238,6 +248,7 @@ def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False)
                       if resumes and cfg.job.node_requeues else None)
             s.watchdog = Watchdog(s.heartbeat, s.run_dir, limits, channel=_hang_channel(ident.world_size),
                                   on_end=on_end)
+        faulthandler.cancel_dump_traceback_later()  # the watchdog speaks from here on
         log.info("rank %d/%d on %s (local rank %d, node %d/%d) via %s, job %s, device %s, startup %.1f s",
                  ident.rank, ident.world_size, ident.node_name, ident.local_rank, ident.node_index,
                  ident.num_nodes, ident.launcher, ident.job_id, device, time.time() - t0)
@@ -268,6 +279,7 @@ def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False)
         failed = True
         raise
     finally:
+        faulthandler.cancel_dump_traceback_later()  # a failure before the watchdog ran
         flag.clear()  # acted on by this session's payload, or by nobody
         if not (failed and ending.mpi_running()):
             dist.destroy_process_group()
