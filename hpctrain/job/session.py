@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +207,19 @@ def _build_mesh(s: Session) -> None:
     log.info("all-reduce checks passed on %s", ", ".join(axes))
 
 
+def _arm_startup_timer(limit_s: float) -> None:
+    """Until the hang watchdog runs: a rank stuck in MPI's start or an MPI exchange of the rendezvous (no timeout of
+    their own) prints every thread's stack to the process's stderr and exits 1 after limit_s, which ends the launch
+    (faulthandler's own thread fires while the main thread is inside MPI, GIL held or not). Not armed where the
+    process has no stderr file to write to (a caller that replaced the streams runs in-process, not as a rank)."""
+    stream = sys.__stderr__
+    try:
+        if stream is not None:
+            faulthandler.dump_traceback_later(limit_s, exit=True, file=stream)
+    except (OSError, ValueError):  # io.UnsupportedOperation: no fileno
+        pass
+
+
 @contextlib.contextmanager
 def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False) -> Iterator[Session]:
     """Rendezvous, run directory, logging, mesh and group checks; summary.json and teardown on exit. `resumes`:
@@ -219,10 +233,7 @@ def start(cfg: Config, run_dir: str | Path | None = None, resumes: bool = False)
     open_files = raise_open_files()  # before MPI, the store and gloo open theirs; said once the log is set up
     p = cfg.parallel
     if p.hang_limits_s is not None:
-        # until the hang watchdog runs: a rank stuck in MPI's start or an MPI exchange of the rendezvous (no timeout
-        # of their own) prints every thread's stack to stderr and exits 1 after the watchdog's long limit, which
-        # ends the launch; faulthandler's own thread fires while the main thread is inside MPI, GIL held or not
-        faulthandler.dump_traceback_later(p.hang_limits_s[1], exit=True)
+        _arm_startup_timer(p.hang_limits_s[1])
     try:
         ident = rendezvous.identify(p.rendezvous)
         rdzv_dir = Path(run_dir) if run_dir else Path(cfg.job.run_root).absolute() / ".rendezvous"
