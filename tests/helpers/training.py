@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
 import torch
 
@@ -123,7 +124,7 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str
         from hpctrain.train import trainer
         assert cfg.train.precision == "bf16", "an fp8 case is loaded in bf16, then switched"
         cfg.train.precision, cfg.train.fp8_scaling, cfg.train.fp8_all_gather = "fp8", fp8, fp8_all_gather
-        lifted.enter_context(_lifted(trainer, "float8_refusal", lambda *args: ""))
+        lifted.enter_context(mock.patch.object(trainer, "float8_refusal", lambda *args: ""))
     with lifted, session.start(cfg) as s:
         tr = Trainer(cfg, s)
         poison = inject_inf_step and s.rank == s.ident.world_size - 1
@@ -182,16 +183,6 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str
                         "run_dir": str(s.run_dir)},
                        out)
     return {"losses": summary["losses"]}
-
-
-@contextlib.contextmanager
-def _lifted(module, name: str, value):
-    real = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, real)
 
 
 def fused_modules(models) -> dict[str, int]:
