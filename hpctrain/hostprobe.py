@@ -15,6 +15,7 @@ Tests: pytest tests/pure/doctor/test_doctor_probe.py tests/pure/job/test_storage
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import platform
 import re
@@ -181,12 +182,29 @@ def probe_bytes(asked: int, free: int, writers: int) -> tuple[int, str | None]:
                   f"{free / 1e9:.3g} GB free, shared by {writers} node(s) writing at once")
 
 
+def unnamed_file(directory: Path) -> int:
+    """A new file in `directory` that has no name at any moment (O_TMPFILE, O_EXCL: it can never be linked in),
+    open for reading and writing; -1 where the kernel or the file system makes none (another system, an older
+    kernel: EISDIR; a file system without it: EOPNOTSUPP). Any other refusal (EACCES, ENOSPC) raises."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(directory, os.O_RDWR | flag | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return -1
+        raise
+
+
 def storage(directory: Path, nbytes: int, name: str, writers: int = 1) -> dict[str, Any]:
     """Write nbytes to a new file in `directory` and fsync it (the time a checkpoint shard takes to be durable),
     then read it back cold. nbytes is bounded by the free space (probe_bytes; the result says when it shrank).
-    The file is unlinked as soon as it is created, before the first byte: its blocks go back to the file system
-    when this process closes it or ends, by any signal, SIGKILL included. Its cached pages are dropped with
-    posix_fadvise(DONTNEED) before the read (they are clean after the fsync); a file system that ignores the
+    The file never has a name where the file system makes unnamed files (Linux's O_TMPFILE: ext4, xfs, tmpfs,
+    btrfs among others); elsewhere it is unlinked as soon as it is created, before the first byte (a SIGKILL in the
+    microseconds between the two leaves it, under a name no one else uses). Either way its blocks go back to the
+    file system when this process closes it or ends, by any signal, SIGKILL included. Its cached pages are dropped
+    with posix_fadvise(DONTNEED) before the read (they are clean after the fsync); a file system that ignores the
     advice reports a cached read."""
     fs = file_system(directory)
     try:
@@ -202,17 +220,23 @@ def storage(directory: Path, nbytes: int, name: str, writers: int = 1) -> dict[s
     path = directory / f".hpctrain-doctor-{name}-{os.getpid()}-{secrets.token_hex(4)}"
     block = memoryview(os.urandom(min(BLOCK, nbytes)))  # incompressible: a compressing file system must not flatter it
     buf = bytearray(len(block))
-    # until open says it made nothing, the name may be ours: a signal's handler can raise (preempt.Ended) as
-    # open returns, before this frame holds the descriptor; the finally below removes the name then too (it is
-    # unguessable, so it names no one else's file)
-    fd, ours = -1, True
+    # without O_TMPFILE, until open says it made nothing, the name may be ours: a signal's handler can raise
+    # (preempt.Ended) as open returns, before this frame holds the descriptor; the finally below removes the name
+    # then too (it is unguessable, so it names no one else's file)
+    fd, ours = -1, False
     try:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = unnamed_file(directory)
         except OSError as e:
-            ours = False
-            return {"dir": str(directory), "error": f"cannot create {path}: {e.strerror or e}"}
-        os.unlink(path)
+            return {"dir": str(directory), "error": f"cannot create a file in {directory}: {e.strerror or e}"}
+        if fd < 0:
+            ours = True
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                ours = False
+                return {"dir": str(directory), "error": f"cannot create {path}: {e.strerror or e}"}
+            os.unlink(path)
         t0 = time.perf_counter()
         done = 0
         while done < nbytes:

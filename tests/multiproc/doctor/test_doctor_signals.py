@@ -89,14 +89,15 @@ def test_signal_during_the_imports(tmp_path, how, command, sig) -> None:
 
 
 def _probe_open(pid: int, directory: Path) -> bool:
-    """The process holds the storage probe's file open (unlinked or not, /proc names it)."""
+    """The process holds a file in `directory` open: the storage probe's (unnamed, unlinked or not, /proc names it
+    under the directory: `.../#123 (deleted)` for an O_TMPFILE)."""
     try:
         fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return False
     for fd in fds:
         try:
-            if os.readlink(fd).startswith(str(directory / ".hpctrain-doctor-")):
+            if os.readlink(fd).startswith(f"{directory}/"):
                 return True
         except OSError:
             continue

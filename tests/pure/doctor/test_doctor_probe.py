@@ -6,6 +6,7 @@ space at run time, nothing left behind on an error), what a signal means before 
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -73,8 +74,51 @@ def test_storage_probe_writes_at_most_its_share_and_leaves_nothing(tmp_path, mon
            tier="pure")
 
 
+def _without_tmpfile(monkeypatch) -> None:
+    """A file system that makes no unnamed files: open with O_TMPFILE says EOPNOTSUPP (NFS, older kernels say
+    EISDIR), and the probe falls back to a name it unlinks at once."""
+    real = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real(path, flags, *args, **kwargs)
+    monkeypatch.setattr(hostprobe.os, "open", open_)
+
+
+def _listings_at_open(monkeypatch, directory) -> list[list[str]]:
+    """What `directory` holds just after each os.open of the probe returns."""
+    inner, seen = hostprobe.os.open, []
+
+    def open_(*args, **kwargs):
+        fd = inner(*args, **kwargs)
+        seen.append(os.listdir(directory))
+        return fd
+    monkeypatch.setattr(hostprobe.os, "open", open_)
+    return seen
+
+
+def test_storage_probe_file_never_has_a_name(tmp_path, monkeypatch):
+    """Where the file system makes unnamed files (this machine's ext4 and tmpfs do), no name of the probe's is in the
+    directory at any moment, so a SIGKILL at any point leaves nothing (CI-41: one landed between the create and the
+    unlink and left the file). Without O_TMPFILE the name is there from the create to the unlink."""
+    seen = _listings_at_open(monkeypatch, tmp_path)
+    out = hostprobe.storage(tmp_path, 8 * MiB, "n1")
+    assert out["bytes"] == 8 * MiB and seen == [[]], (out, seen)
+    monkeypatch.undo()
+    _without_tmpfile(monkeypatch)
+    seen = _listings_at_open(monkeypatch, tmp_path)
+    out = hostprobe.storage(tmp_path, 8 * MiB, "n1")
+    assert out["bytes"] == 8 * MiB and len(seen) == 1 and seen[0][0].startswith(".hpctrain-doctor-n1-"), seen
+    assert os.listdir(tmp_path) == []
+    record("SIGKILL to `hpctrain doctor` at any moment of its storage probe", "no probe file left: the file never "
+           "has a name (O_TMPFILE; without it, a name for the microseconds from create to unlink)", tier="pure")
+
+
 def test_storage_probe_file_is_gone_whatever_happens(tmp_path, monkeypatch):
-    """The probe's file is unlinked as soon as it is made: an error (or any end of the process) leaves none."""
+    """Without O_TMPFILE the probe's file is unlinked as soon as it is made: an error (or any end of the process)
+    leaves none."""
+    _without_tmpfile(monkeypatch)
     seen: list[list[str]] = []
 
     def fsync(fd):
@@ -93,6 +137,7 @@ def test_storage_probe_file_is_gone_whatever_happens(tmp_path, monkeypatch):
             raise OSError(1, "Operation not permitted")
         real(path)
     monkeypatch.undo()
+    _without_tmpfile(monkeypatch)
     monkeypatch.setattr(hostprobe.os, "unlink", unlink)  # a file system that refuses to unlink an open file
     out = hostprobe.storage(tmp_path, 8 * MiB, "n1")
     assert "Operation not permitted" in out["error"] and os.listdir(tmp_path) == []
@@ -103,7 +148,8 @@ def test_a_signal_as_the_probe_file_opens_leaves_no_file(tmp_path, monkeypatch):
     stored and the name unlinked: seen once in a full run, SIGTERM to `hpctrain doctor` left its probe file."""
     class Signalled(BaseException):
         pass
-    real_open, opened = os.open, []
+    _without_tmpfile(monkeypatch)
+    real_open, opened = hostprobe.os.open, []
 
     def open_then_signal(*args, **kwargs):
         opened.append(real_open(*args, **kwargs))  # made; the probe's frame never sees the descriptor
