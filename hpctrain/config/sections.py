@@ -277,8 +277,8 @@ class TrainConfig:
     precision: str = "fp32"
     fp8_scaling: str = "rowwise"  # with precision = "fp8": rowwise | tensorwise (torchao's recipes)
     # with precision = "fp8", fp8_scaling = "tensorwise" and ZeRO-2/3: FSDP gathers the blocks' linear weights in
-    # float8 (1 byte a weight where bf16 takes 2; their scales from one extra small all-reduce each), as torchtitan
-    # offers; the weights, gradients and checkpoints stay fp32
+    # float8 (1 byte a weight where bf16 takes 2; their scales from one small all-reduce after each optimizer step),
+    # as torchtitan offers; the weights, gradients and checkpoints stay fp32
     fp8_all_gather: bool = False
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16
     loss_scale: float = 65536.0  # initial dynamic loss scale for fp16

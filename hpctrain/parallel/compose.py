@@ -50,6 +50,7 @@ class ParallelModel:
     unfilled: Callable[[], None] | None = None
     device_type: str = "cpu"  # where the weights live: autocast's device type
     tied: pipeline.TiedEmbedding | None = None  # tied embeddings whose two copies live on two pipeline ranks
+    float8_gather: bool = False  # FSDP gathers the blocks' weights in float8 (train.fp8_all_gather)
 
     def fill(self) -> bool:
         """Fills the weights from the seeded init unless done (or loaded) already; True if it filled now."""
@@ -59,8 +60,17 @@ class ParallelModel:
         return fill is not None
 
     def loaded(self) -> None:
-        """A checkpoint has written every parameter: the seeded init is not needed."""
+        """A checkpoint has written every parameter (before the first step): the seeded init is not needed."""
         self.unfilled = None
+
+    def after_step(self) -> None:
+        """The optimizer has changed the weights (every rank, after its step, skipped or not). With float8
+        all-gathers: the next gathers' float8 scales, for every weight at once in one all-reduce of the FSDP mesh
+        (torchao's precompute, as torchtitan runs it) instead of an all-reduce per weight in each gather. The same
+        number either way: fp8 max / max|w| in float64."""
+        if self.float8_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
 
     def step_context(self, last_micro_step: bool, autocast: bool = False) -> contextlib.ExitStack:
         """Around a forward and backward: the gradient sync of the last micro-step, loss parallel (its backward
@@ -132,7 +142,8 @@ def build(cfg: Config, mesh, device: torch.device, fill: bool = True, plan: Plan
                              context.positions(cfg.data.seq_len, cp, mesh.cp_rank))
     autocast = None if zero in (2, 3) else low  # FSDP casts parameters itself; master weights stay fp32 in shards
     tied = pipeline.TiedEmbedding.build(model, stages, mesh) if stages else None
-    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type, tied)
+    return ParallelModel(model, dims, loss_parallel, sync, autocast, zero, parts, stages, unfilled, device.type, tied,
+                         cfg.train.fp8_all_gather)
 
 
 def to_float8(model: Transformer, scaling: str, all_gather: bool = False) -> None:

@@ -350,10 +350,12 @@ class LossScaler:
             dist.all_reduce(bad)
         return bad.item() == 0
 
-    def update(self, finite: bool) -> None:
+    def update(self, skipped: bool | torch.Tensor) -> None:
+        """After a step: the scale doubles after growth_interval clean steps and halves on a skipped one. Disabled,
+        `skipped` is not read (it may be a device tensor, the fused optimizer's own skip: reading it waits)."""
         if not self.enabled:
             return
-        if finite:
+        if not skipped:
             self.good_steps += 1
             if self.good_steps % self.growth_interval == 0:
                 self.scale *= 2.0

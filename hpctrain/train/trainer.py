@@ -242,9 +242,9 @@ class Trainer:
         if t.grad_clip > 0 and finite:  # a non-finite norm only touches the gradients of a step that is skipped
             optim.clip_grads(self.params, t.grad_clip, norm)
         skipped = optim.step_or_skip(self.optimizer, norm, finite, self.scaler.enabled)
+        self.pm.after_step()
         self.nonfinite.add(skipped)
-        if self.scaler.enabled:
-            self.scaler.update(not skipped)
+        self.scaler.update(skipped)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.progress.step += 1

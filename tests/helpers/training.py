@@ -180,9 +180,26 @@ def run_case(overrides: list[str], out: Path, inject_inf_step: int = 0, fp8: str
                         "float8_gathered": sum(type(getattr(p, "_local_tensor", p)).__name__
                                                == "WeightWithDynamicFloat8CastTensor"
                                                for part in [tr.model, *tr.pm.parts] for p in part.parameters()),
+                        "float8_scales": float8_scales(tr.model, weights),
                         "run_dir": str(s.run_dir)},
                        out)
     return {"losses": summary["losses"]}
+
+
+def float8_scales(model, weights: dict[str, torch.Tensor]) -> dict[str, tuple[float | None, float]]:
+    """Under train.fp8_all_gather, each float8-gathered weight's scale as this rank holds it for the next gather
+    (None: the gather computes its own) beside the scale of the whole weight after the last step (fp8 max over
+    max|w|, in float64 as torchao computes it)."""
+    from hpctrain.model.transformer import clean_name
+    out = {}
+    for name, p in model.named_parameters():
+        local = getattr(p, "_local_tensor", p)
+        if type(local).__name__ == "WeightWithDynamicFloat8CastTensor":
+            whole = weights[clean_name(name)]
+            want = (torch.finfo(local._dtype).max / whole.abs().max().double()).float().item()
+            held = local._precomputed_scale
+            out[clean_name(name)] = (None if held is None else held.item(), want)
+    return out
 
 
 def fused_modules(models) -> dict[str, int]:

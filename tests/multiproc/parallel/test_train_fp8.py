@@ -45,6 +45,10 @@ TWO = [{"name": "dp2_zero3", "overrides": DP2 + ["parallel.zero_stage=3"], "fp8"
        {"name": "dp2_zero3_gather8", "overrides": DP2 + ["parallel.zero_stage=3", "checkpoint.every_steps=4",
                                                          "checkpoint.at_end=true"],
         "fp8": "tensorwise", "fp8_all_gather": True}]
+# HSDP (2 replicas of 2 shards) gathering in float8 within each replica, the same 8 sequences a step
+FOUR = [{"name": "hsdp_gather8", "overrides": BF16 + ["train.micro_batch_size=2", "parallel.zero_stage=3",
+                                                      "parallel.dp_replicate=2"],
+         "fp8": "tensorwise", "fp8_all_gather": True}]
 ROWWISE = [c["name"] for c in TWO if c["fp8"] == "rowwise"]
 TENSORWISE = [c["name"] for c in TWO if c["fp8"] == "tensorwise"]
 # per-step losses of 8 steps: seen within 9e-4 of one process (fp8 or bf16) in every case; the gradient norms are
@@ -59,18 +63,21 @@ def results(tmp_path_factory) -> dict[str, dict]:
     run_case(BF16, out / "ref.pt", fp8="rowwise")  # one process, the same 8 sequences a step
     run_case(BF16, out / "ref_bf16.pt")
     logs = [p.communicate(timeout=600)[0] for p in running]
-    # the float8-gathering run resumed from its step-4 checkpoint (loaded into torchao's wrappers of the weights)
+    ended = running
+    # the float8-gathering run resumed from its step-4 checkpoint (loaded into torchao's wrappers of the weights);
+    # beside it, the 4-rank HSDP case
+    running = spawn_train_worker(4, FOUR, out)
     step4 = next((out / "dp2_zero3_gather8-runs").glob("*/checkpoints/step_00000004"), None)
     if step4 is not None:
         resumed = [{**TWO[-1], "name": "dp2_zero3_gather8_resumed",
                     "overrides": TWO[-1]["overrides"] + [f"train.resume={step4}", "checkpoint.every_steps=0",
                                                          "checkpoint.at_end=false"]}]
-        running = spawn_train_worker(2, resumed, out)
-        logs += [p.communicate(timeout=600)[0] for p in running]
+        running += spawn_train_worker(2, resumed, out)
+    logs += [p.communicate(timeout=600)[0] for p in running]
     errors = {}
     for f in out.glob("errors-rank*.json"):
         errors.update(json.loads(f.read_text()))
-    failed = [p.returncode for p in running if p.returncode]
+    failed = [p.returncode for p in ended + running if p.returncode]
     assert not errors and not failed, f"{errors} {failed}\n" + "\n".join(log[-3000:] for log in logs)
     return {f.stem: torch.load(f, weights_only=True) for f in out.glob("*.pt")}
 
@@ -131,6 +138,24 @@ def test_fsdp_gathers_float8_and_checkpoints_the_fp32_weights(results) -> None:
                   for fqn, tmd in mt.tensors}
     assert stored.keys() == got["weights"].keys()
     assert all(torch.equal(stored[k], got["weights"][k]) for k in stored)
+
+
+def test_float8_gathers_scales_are_computed_after_each_step(results) -> None:
+    """train.fp8_all_gather: after the optimizer step every float8-gathered weight holds the scale of its whole
+    updated tensor for the next gather (one all-reduce for all of them, torchao's precompute), the same scale the
+    gather would compute itself; the layout without float8 gathers holds none."""
+    for case in ["dp2_zero3_gather8", "hsdp_gather8"]:
+        scales = results[case]["float8_scales"]
+        assert len(scales) == 14 and all(held == want for held, want in scales.values()), (case, scales)
+    assert results["dp2_zero3_tensorwise"]["float8_scales"] == {}
+
+
+def test_hsdp_gathers_float8_too(results) -> None:
+    """parallel.dp_replicate = 2 over 4 ranks (ZeRO-3 inside each replica of 2) with float8 gathers trains what the
+    2-rank ZeRO-3 float8-gathering run trains, within fp8's tolerance."""
+    got = results["hsdp_gather8"]
+    assert got["float8_gathered"] == 14 and set(got["fsdp_mesh"].values()) == {(2, 2)}, got["fsdp_mesh"]
+    compare_runs(got, results["dp2_zero3_gather8"], FP8_LOSS_TOL, None, BF16_NORM_RTOL)
 
 
 def test_float8_gathering_run_resumes_where_it_stopped(results) -> None:
