@@ -86,6 +86,25 @@ def slurm_cluster(_slurm_up) -> Iterator[None]:
         subprocess.run(["scancel", *left], timeout=20)
 
 
+# --- no hang watchdog outlives its test ------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _no_watchdog_outlives_its_test(monkeypatch) -> Iterator[None]:
+    """Stops the watchdogs a test made in this process (helpers.hang.a_watchdog), while its monkeypatch still holds
+    (this fixture asks for it, so it is undone after this teardown), then fails the test if any hang watchdog thread
+    is still alive: one left behind calls the real end_job at its limit, which exits the process (a pytest worker,
+    in a later test: 'node down: Not properly terminated')."""
+    yield
+    import threading
+    hang = sys.modules.get("helpers.hang")
+    for dog in hang.LIVE if hang else []:
+        dog.stop()
+        dog._thread.join(30)
+    if hang:
+        hang.LIVE.clear()
+    alive = [t for t in threading.enumerate() if t.name == "hpctrain-watchdog" and t.is_alive()]
+    assert not alive, f"a hang watchdog outlived its test: {alive}"
+
+
 # --- tests at once (`make test` runs pytest -n 3, pytest-xdist) ---------------------------------------------------
 # A serial run left this host idle half of its time: tests wait on Slurm's scheduler, a requeue's hold, a hang limit,
 # a launcher. Under xdist, units of work, handed out in this order:

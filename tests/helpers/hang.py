@@ -81,6 +81,13 @@ def until_ended(ended: list[str], failure: str, limit_s: float = 20) -> float:
     return time.monotonic() - t0
 
 
+# every watchdog a_watchdog made: tests/conftest.py stops them after each test, before its monkeypatch is undone.
+# One left running kept looking after its test; at its long limit it called the real end_job, restored by then,
+# which exits the process: the pytest worker, a minute later, in another test (seen: test_a_stop_during_a_look_is_a_
+# freeze's, 60 s on, ended the worker running test_faults_ckpt.py, 'node down: Not properly terminated').
+LIVE: list[watchdog.Watchdog] = []
+
+
 def a_watchdog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step: int = 5):
     ended: list[str] = []
     monkeypatch.setattr(watchdog, "end_job", lambda peers, run_dir, message: ended.append(message))
@@ -90,4 +97,6 @@ def a_watchdog(tmp_path, monkeypatch, limits: watchdog.Limits, phase: str, step:
     hb = Heartbeat(tmp_path, 2, {"node": "n1"})
     hb.begin_step(step)
     hb.enter(phase, "all_reduce of the loss on dp" if phase == "collective" else "")
-    return watchdog.Watchdog(hb, tmp_path, limits), hb, ended
+    dog = watchdog.Watchdog(hb, tmp_path, limits)
+    LIVE.append(dog)
+    return dog, hb, ended
