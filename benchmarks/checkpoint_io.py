@@ -124,13 +124,13 @@ def _hdf5(checksum: bool, verify: str):
     def save(state, d, rank):
         import torch.distributed.checkpoint as dcp
 
-        from hpctrain.checkpoint import HDF5Writer
+        from hpctrain.checkpoint.hdf5_storage import HDF5Writer
         dcp.save(state, storage_writer=HDF5Writer(d, checksum=checksum))
 
     def load(dest, d, rank):
         import torch.distributed.checkpoint as dcp
 
-        from hpctrain.checkpoint import HDF5Reader
+        from hpctrain.checkpoint.hdf5_storage import HDF5Reader
         dcp.load(dest, storage_reader=HDF5Reader(d, verify=verify))
         return dest
     return save, load

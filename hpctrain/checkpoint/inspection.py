@@ -1,7 +1,7 @@
-"""Checkpoints seen from a login node, with no process group: list a run's checkpoints, describe one, verify its
-bytes, export its model as one safetensors file for inference. What `hpctrain ckpt ...` runs.
+"""Checkpoints seen from a login node, with no process group: describe one, verify its bytes, export its model as
+one safetensors file for inference. What `hpctrain ckpt ...` runs (`ckpt ls`, without torch: listing.py).
 
-    hpctrain ckpt ls runs/tiny-cpu-20261122-025518-a740f3          # or its checkpoints/ directory
+    hpctrain ckpt ls runs/tiny-cpu-20261122-025518-a740f3          # or its checkpoints/ directory (listing.py)
     hpctrain ckpt inspect runs/.../checkpoints/step_00000004 [--json]
     hpctrain ckpt verify runs/.../checkpoints/step_00000004 [--full|--sampled]
     hpctrain ckpt export runs/.../checkpoints/step_00000004 --to safetensors [-o model.safetensors]
@@ -17,7 +17,7 @@ import struct
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +35,11 @@ from hpctrain.checkpoint.hdf5_storage import (
     open_stored,
     read_stored,
 )
-from hpctrain.checkpoint.layout import EXTRA, MARKER, MAX_JSON_BYTES, Verdict, parse_name, read_committed, verify_data
+from hpctrain.checkpoint.layout import EXTRA, MARKER, Verdict, parse_name, read_committed, verify_data
+from hpctrain.checkpoint.listing import checkpoint_root, format_layout, human_bytes, json_or_none
 from hpctrain.checkpoint.manager import committed
 from hpctrain.fsutil import replacing
-from hpctrain.untrusted import Untrusted, read_json
 
-STATUS = {"": "committed", ".partial": "partial", ".old": "replaced"}  # by name suffix; else "unusable"
 MODEL_PREFIX = "model."  # the model's entries in a training checkpoint (train.py's state: model, optimizer, rng)
 # torch dtype name -> safetensors dtype (https://huggingface.co/docs/safetensors, "Format")
 SAFETENSORS_DTYPES = {
@@ -48,87 +47,6 @@ SAFETENSORS_DTYPES = {
     "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
     "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
 }
-
-
-def human_bytes(n: float) -> str:
-    units = ("B", "KB", "MB", "GB", "TB")
-    i = 0
-    while n >= 1000 and i < len(units) - 1:
-        n, i = n / 1000, i + 1
-    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
-
-
-def _json_or_none(path: Path) -> dict | None:
-    """A JSON object, for display only: None when missing, a link, huge, too deep, malformed or not an object."""
-    try:
-        doc = read_json(path, MAX_JSON_BYTES)
-    except Untrusted:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-# -- ls ---------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Listing:
-    """One checkpoint directory as `ckpt ls` shows it."""
-    step: int
-    path: Path
-    status: str  # committed | partial (a save in flight or killed) | uncommitted (renamed, marker missing) |
-    #              replaced (being replaced by a new save of its step) | unusable (set aside by a refused load)
-    num_bytes: int
-    num_shards: int
-    marker: dict = field(default_factory=dict)  # the COMMITTED marker: step and provenance
-
-
-def checkpoint_root(path: Path) -> Path:
-    """The directory holding step_* directories: path itself, its checkpoints/, or the run's checkpoint.dir."""
-    if any(parse_name(p.name) for p in path.iterdir()):
-        return path
-    if (path / "config.toml").is_file():  # a run directory: checkpoint.dir may point elsewhere
-        from hpctrain.config import load_config
-        ckpt_dir = load_config(path / "config.toml").checkpoint.dir
-        if ckpt_dir:
-            return Path(ckpt_dir)
-    return path / "checkpoints"
-
-
-def list_checkpoints(path: Path) -> tuple[Path, list[Listing]]:
-    """(root, its checkpoint directories oldest first); a partial save sorts after a committed one of its step."""
-    root = checkpoint_root(path)
-    out = []
-    for p in root.iterdir() if root.is_dir() else ():
-        parsed = parse_name(p.name)
-        if not (parsed and p.is_dir()):
-            continue
-        # committed as manager.committed() counts it: the marker file exists
-        status = STATUS.get(parsed[1], "unusable")
-        if status == "committed" and not (p / MARKER).is_file():
-            status = "uncommitted"
-        marker = _json_or_none(p / MARKER)
-        files = [f for f in p.iterdir() if f.is_file()]
-        out.append(Listing(parsed[0], p, status, sum(f.stat().st_size for f in files),
-                           sum(f.name.startswith("shard-") and f.suffix == ".h5" for f in files), marker or {}))
-    return root, sorted(out, key=lambda c: (c.step, c.status != "committed", c.path.name))
-
-
-def format_layout(layout: Any) -> str:
-    if not isinstance(layout, dict):
-        return "-"
-    return " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
-
-
-def format_listing(root: Path, rows: list[Listing]) -> str:
-    if not rows:
-        return f"no checkpoints in {root}" + ("" if root.is_dir() else " (no such directory)")
-    table = [("step", "status", "size", "shards", "saved_at", "world", "layout")]
-    for c in rows:
-        table.append((str(c.step), c.status, human_bytes(c.num_bytes), str(c.num_shards),
-                      c.marker.get("saved_at", "-"), str(c.marker.get("world_size", "-")),
-                      format_layout(c.marker.get("layout", {}))))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]
-    return f"{root}\n" + "\n".join(line.rstrip() for line in lines)
 
 
 # -- inspect ----------------------------------------------------------------------------------------------------
@@ -152,8 +70,8 @@ def read_index(ckpt: Path) -> tuple[HDF5Reader, Metadata]:
 def describe(ckpt: Path) -> dict[str, Any]:
     """What a checkpoint holds, as JSON-ready data: tensors, totals, files, layout, provenance, train state."""
     _, md = read_index(ckpt)
-    marker = _json_or_none(ckpt / MARKER)
-    extra = _json_or_none(ckpt / EXTRA) or {}
+    marker = json_or_none(ckpt / MARKER)
+    extra = json_or_none(ckpt / EXTRA) or {}
     files: dict[str, int] = {}
     stored_bytes = 0
     for s in md.storage_data.values():
@@ -306,7 +224,7 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...],
 
 def provenance_meta(ckpt: Path) -> dict[str, str]:
     """What an exported file records of its source, as safetensors metadata (strings only)."""
-    marker = _json_or_none(ckpt / MARKER) or {}
+    marker = json_or_none(ckpt / MARKER) or {}
     meta = {"format": "pt", "source": str(ckpt.absolute()), "step": marker.get("step", ""),
             "git_commit": marker.get("git_commit", ""), "saved_at": marker.get("saved_at", "")}
     return {k: str(v) for k, v in meta.items()}

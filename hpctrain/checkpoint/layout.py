@@ -17,7 +17,6 @@ compared with what the commit recorded, and every problem is a CheckpointCorrupt
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,29 +36,19 @@ from hpctrain.checkpoint.hdf5_storage import (
     untrusted_corrupt,
 )
 from hpctrain.checkpoint.index import SHARD_NAME, Stored
+from hpctrain.checkpoint.names import (  # noqa: F401 (the names' users import them from here too)
+    EXTRA,
+    MARKER,
+    MARKER_VERSION,
+    MAX_JSON_BYTES,
+    UNUSABLE,
+    parse_name,
+    step_name,
+)
 from hpctrain.checkpoint.state import rng_table_bytes
 from hpctrain.untrusted import Untrusted, read_bytes
 
-MARKER = "COMMITTED"
-EXTRA = "train_state.json"
-UNUSABLE = "UNUSABLE.txt"
-MARKER_VERSION = 2  # 2: marker carries seq and the crc32 of train_state.json and index.json
-_NAME = re.compile(r"step_(\d{8,})(\.partial|\.old|\.unusable(?:-\d+)?)?")
-MAX_JSON_BYTES = 64 << 20  # a marker or train_state.json larger than this is damage
 _SMALL_TABLE = 64 << 20  # an RNG table this small (13,000 ranks) is allocated without looking at the shards
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def parse_name(name: str) -> tuple[int, str] | None:
-    """(step, suffix) of a checkpoint directory name ("" for a checkpoint, ".partial", ".old", ".unusable..."),
-    None for anything else, including non-canonical spellings of a step (step_000000042)."""
-    m = _NAME.fullmatch(name)
-    if m is None or m.group(1) != f"{int(m.group(1)):08d}":
-        return None
-    return int(m.group(1)), m.group(2) or ""
 
 
 def file_crc(path: Path) -> int:

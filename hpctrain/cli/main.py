@@ -354,9 +354,9 @@ def ckpt_ls(path: str) -> None:
     """List a run's checkpoints, newest last.
 
     PATH is a run directory or its checkpoints directory."""
-    from hpctrain.checkpoint import inspection
+    from hpctrain.checkpoint import listing
 
-    click.echo(inspection.format_listing(*inspection.list_checkpoints(Path(path))))
+    click.echo(listing.format_listing(*listing.list_checkpoints(Path(path))))
 
 
 @ckpt_group.command(name="inspect")

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from helpers.ckpt_bytes import LAYOUTS, reference  # noqa: E402
-from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer  # noqa: E402
+from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt, HDF5Reader, HDF5Writer  # noqa: E402
 
 
 def sharded(mesh, which: int, full: dict | None = None) -> dict:

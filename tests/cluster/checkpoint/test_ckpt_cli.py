@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -19,7 +20,7 @@ from click.testing import CliRunner, Result
 
 from helpers.launch import EXAMPLE, REPO, env_with_venv, tool
 from helpers.runs import only_run_dir
-from hpctrain.checkpoint import HDF5Reader, HDF5Writer
+from hpctrain.checkpoint.hdf5_storage import HDF5Reader, HDF5Writer
 from hpctrain.cli.main import main as cli
 from hpctrain.config import load_config
 from hpctrain.model.transformer import ModelDims, Transformer
@@ -90,6 +91,19 @@ def test_ls_lists_committed_and_partial(runs, tmp_path) -> None:
     assert missing.exit_code == 2 and "does not exist" in missing.output
     empty = ckpt("ls", tmp_path)
     assert empty.exit_code == 0 and empty.output.startswith("no checkpoints in ")
+
+
+def test_ls_starts_without_torch(runs) -> None:
+    """`ckpt ls` in a new process lists the run's checkpoints without importing torch, h5py or numpy: on a login
+    node importing torch from a shared file system can take tens of seconds."""
+    code = ("import sys\nfrom hpctrain.cli.main import main\ntry:\n    main(['ckpt', 'ls', sys.argv[1]])\n"
+            "except SystemExit as e:\n    print('exit', e.code)\n"
+            "print('imported', sorted({'torch', 'h5py', 'numpy'} & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(runs["one"])], capture_output=True, text=True, timeout=120,
+                         env=env_with_venv(), cwd=REPO)
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[2:4]] == [["2", "committed"], ["4", "committed"]], out.stdout
+    assert lines[-2:] == ["exit 0", "imported []"], out.stdout + out.stderr
 
 
 def test_inspect_lists_every_model_tensor(run) -> None:

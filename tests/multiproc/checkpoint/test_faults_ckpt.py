@@ -133,7 +133,7 @@ def test_fallback_equals_clean_resume(tmp_path) -> None:
     assert fell_back["resumed_from"] == clean["resumed_from"] == 3
     assert fell_back["losses"] == clean["losses"]
     assert (tmp_path / "ck" / "step_00000004.unusable").is_dir() and _steps(tmp_path / "ck")[-1] == 7
-    from hpctrain.checkpoint.inspection import list_checkpoints
+    from hpctrain.checkpoint.listing import list_checkpoints
     status = {c.path.name: c.status for c in list_checkpoints(tmp_path / "ck")[1]}
     assert status["step_00000004.unusable"] == "unusable" and status["step_00000007"] == "committed"
     record("newest checkpoint's last dataset corrupt", "falls back; losses bitwise those of a clean resume from "

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from helpers.ckpt_bytes import reference
 from helpers.launch import WORKERS, free_base_port, spawn_ranks
-from hpctrain.checkpoint import CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.checkpoint.h5file import chunk_shape as _chunk_shape
+from hpctrain.checkpoint.hdf5_storage import CheckpointCorrupt, HDF5Reader, HDF5Writer
 from hpctrain.checkpoint.index import json_decode, json_encode
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
