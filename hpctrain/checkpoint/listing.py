@@ -16,6 +16,7 @@ from hpctrain.untrusted import Untrusted, read_json
 
 STATUS = {"": "committed", ".partial": "partial", ".old": "replaced"}  # by name suffix; else "unusable"
 
+
 def human_bytes(n: float) -> str:
     units = ("B", "KB", "MB", "GB", "TB")
     i = 0
@@ -32,8 +33,6 @@ def json_or_none(path: Path) -> dict | None:
         return None
     return doc if isinstance(doc, dict) else None
 
-
-# -- ls ---------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Listing:
